@@ -1,0 +1,148 @@
+"""Reference attention over a sequence whose KV cache is split into differently stored segments.
+
+One sequence's cache is a set of segments: exact pages (Initial, Terminal), int8 pages
+(Recent, dequantized by the runtime), low-rank Mid pages, and the chunk being processed with
+its causal mask. Each ``partial_*`` function attends the queries to one segment and returns
+``(out, lse)``: ``out`` [Hq, T, dv] normalised within the segment, ``lse`` [Hq, T] the
+log-sum-exp of the segment's scaled logits. ``merge_partials`` combines segments exactly, so
+attention over the whole cache equals one softmax over the concatenated keys. A segment with
+no visible key for a query row (no tokens, or fully masked) contributes ``lse = -inf`` and a
+zero output, and weighs nothing in the merge.
+
+Mid pages are never decompressed. With keys ``k = mean_k + c_k @ B_k.T`` the logits are
+``(q @ B_k) @ c_k.T + q @ mean_k``: the query is projected onto the r kept directions once,
+then dotted with the N coefficient rows (N*r instead of N*d multiply-adds). With values
+``v = mean_v + c_v @ B_v.T`` and probabilities p summing to one, the output is
+``(p @ c_v) @ B_v.T + mean_v``: one projection back per query instead of per token.
+
+GQA: Hq = Hkv * G and query head h reads kv-head h // G (the ``repeat_kv`` convention). The
+G query heads of a kv-head are folded into the row dimension, so every product is a batched
+matmul over kv-heads. All math is float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .directions import Basis
+
+
+@dataclass(frozen=True, eq=False)
+class LowRankHeads:
+    """Keys or values of a Mid segment for all kv-heads, padded to the largest rank R.
+
+    ``coefficients`` [Hkv, N, R], ``vectors`` [Hkv, d, R], ``mean`` [Hkv, d], float32.
+    Ranks differ per kv-head, but a per-head Python loop would cost Hkv small kernels per
+    step, so the heads are padded to one batched layout. Invariant: columns of ``vectors[h]``
+    beyond head h's rank are zero. Then the padded coefficient columns are multiplied by zero
+    in both the logits and the output, so they may hold any finite values: the runtime can
+    dequantize each head's true-rank coefficients (the only bytes it stores) into a reused
+    [Hkv, N, R] buffer without clearing it. Build with ``stack_heads``.
+    """
+
+    coefficients: Tensor
+    vectors: Tensor
+    mean: Tensor
+
+
+def stack_heads(coefficients: Sequence[Tensor], bases: Sequence[Basis]) -> LowRankHeads:
+    """Pad per-kv-head coefficients [N, r_h] and bases (vectors [d, r_h]) to ``LowRankHeads``."""
+    if len(coefficients) != len(bases) or not bases:
+        raise ValueError(f"need one basis per head and at least one head, got {len(coefficients)} and {len(bases)}")
+    rank = max(b.rank for b in bases)
+    n = coefficients[0].shape[0]
+    d = bases[0].vectors.shape[0]
+    heads = len(bases)
+    padded_c = torch.zeros(heads, n, rank, device=bases[0].vectors.device)
+    padded_v = torch.zeros(heads, d, rank, device=bases[0].vectors.device)
+    for h, (c, b) in enumerate(zip(coefficients, bases)):
+        if c.shape != (n, b.rank):
+            raise ValueError(f"head {h}: coefficients {tuple(c.shape)} do not match [N={n}, rank={b.rank}]")
+        padded_c[h, :, : b.rank] = c
+        padded_v[h, :, : b.rank] = b.vectors
+    mean = torch.stack([b.mean for b in bases]).float()
+    return LowRankHeads(coefficients=padded_c, vectors=padded_v, mean=mean)
+
+
+def _group(q: Tensor, kv_heads: int) -> Tensor:
+    """[Hq, T, d] -> [Hkv, G*T, d] float32, rows of query head h under kv-head h // G."""
+    hq, t, d = q.shape
+    if hq % kv_heads:
+        raise ValueError(f"{hq} query heads are not a multiple of {kv_heads} kv-heads")
+    return q.float().reshape(kv_heads, hq // kv_heads * t, d)
+
+
+def _empty(q: Tensor, dv: int) -> tuple[Tensor, Tensor]:
+    hq, t, _ = q.shape
+    out = torch.zeros(hq, t, dv, device=q.device)
+    return out, torch.full((hq, t), -float("inf"), device=q.device)
+
+
+def _softmax_lse(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax over the last dim and its log-sum-exp; rows that are all -inf give p=0, -inf."""
+    m = logits.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(logits - m)
+    total = p.sum(-1, keepdim=True)
+    lse = (m + total.log()).squeeze(-1)
+    return p / torch.where(total > 0, total, torch.ones_like(total)), lse
+
+
+def partial_dense(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Attention of q [Hq, T, d] to exact keys k [Hkv, N, d] and values v [Hkv, N, dv].
+
+    ``mask`` [T, N], True where query row t may see key n (the new chunk's causal mask);
+    None means all visible.
+    """
+    kv_heads, n, _ = k.shape
+    hq, t, _ = q.shape
+    if n == 0:
+        return _empty(q, v.shape[-1])
+    logits = scale * (_group(q, kv_heads) @ k.float().transpose(1, 2))
+    if mask is not None:
+        logits = logits.view(kv_heads, -1, t, n).masked_fill(~mask, -float("inf")).view(kv_heads, -1, n)
+    p, lse = _softmax_lse(logits)
+    out = p @ v.float()
+    return out.reshape(hq, t, -1), lse.reshape(hq, t)
+
+
+def partial_lowrank(q: Tensor, keys: LowRankHeads, values: LowRankHeads, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of q [Hq, T, d] to a Mid segment, computed on coefficients only.
+
+    Every query row sees every token of the segment (Mid pages precede the chunk).
+    """
+    kv_heads, n, _ = keys.coefficients.shape
+    hq, t, _ = q.shape
+    dv = values.vectors.shape[1]
+    if n == 0:
+        return _empty(q, dv)
+    qg = _group(q, kv_heads)
+    projected = qg @ keys.vectors  # [Hkv, G*T, Rk]
+    shift = qg @ keys.mean.unsqueeze(-1)  # [Hkv, G*T, 1]: q . mean_k, shared by all tokens
+    logits = scale * (projected @ keys.coefficients.transpose(1, 2) + shift)
+    p, lse = _softmax_lse(logits)
+    mixed = p @ values.coefficients  # [Hkv, G*T, Rv]
+    out = mixed @ values.vectors.transpose(1, 2) + values.mean.unsqueeze(1)
+    return out.reshape(hq, t, dv), lse.reshape(hq, t)
+
+
+def merge_partials(parts: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+    """Exact combination of segment results: ``sum_i exp(lse_i) out_i / sum_i exp(lse_i)``.
+
+    Rows that no segment sees (every lse -inf) come out as zeros.
+    """
+    if not parts:
+        raise ValueError("merge_partials needs at least one segment")
+    lse = torch.stack([part_lse for _, part_lse in parts])  # [S, Hq, T]
+    m = lse.amax(0)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    weights = torch.exp(lse - m)  # -inf -> 0: empty segments weigh nothing
+    total = weights.sum(0)
+    out = sum(w.unsqueeze(-1) * part_out for w, (part_out, _) in zip(weights, parts))
+    return out / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
