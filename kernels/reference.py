@@ -1,0 +1,65 @@
+"""Exact attention in plain torch: the definition every other kvtopo attention path must match.
+
+Keys and values stay grouped by kv-head (GQA): q is [B, Hq, T, d], k/v are [B, Hkv, S, d] with
+Hq a multiple of Hkv, so repeated K/V is never materialised by kvtopo itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def grouped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """Softmax attention of query heads over kv-head-grouped keys/values.
+
+    `attn_mask` follows `scaled_dot_product_attention`: bool (True = attend) or additive float,
+    broadcastable to [B, Hq, T, S].
+    """
+    grouped = query.shape[-3] != key.shape[-3]
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, scale=scale, is_causal=is_causal, enable_gqa=grouped
+    )
+    return out.contiguous()
+
+
+def chunk_causal_mask(history: int, chunk: int, device: torch.device | None = None) -> torch.Tensor:
+    """Bool mask [chunk, history + chunk]: every history token visible, causal within the chunk."""
+    rows = torch.arange(chunk, device=device)[:, None]
+    cols = torch.arange(history + chunk, device=device)[None, :]
+    return cols <= rows + history
+
+
+def attention_decomposition(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    is_causal: bool,
+) -> torch.Tensor:
+    """The same attention written with plain aten ops (matmul, softmax), for graph export."""
+    groups = query.shape[-3] // key.shape[-3]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=-3)
+        value = value.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if is_causal:
+        # Top-left aligned, as `scaled_dot_product_attention(is_causal=True)` defines it.
+        t, s = scores.shape[-2], scores.shape[-1]
+        keep = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
+    return torch.matmul(probs, value)

@@ -1,0 +1,16 @@
+"""kvtopo: compiler-pass based KV-cache compression for PyTorch LLM inference.
+
+    model = kvtopo.compile(model)                    # or torch.compile(model, backend="kvtopo")
+    with kvtopo.session(kvtopo.Config()) as s:
+        out = kvtopo.generate(model, input_ids, max_new_tokens=64)
+        print(s.stats().total_bytes)
+"""
+
+from kvtopo.config import Config
+from kvtopo.runtime.session import CacheStats, Session
+
+import kvtopo.kernels.ops  # noqa: E402,F401  (registers torch.ops.kvtopo.*)
+from kvtopo.api import compile, current_session, inspect, session  # noqa: E402
+from kvtopo.generate import generate  # noqa: E402
+
+__all__ = ["Config", "CacheStats", "Session", "compile", "current_session", "generate", "inspect", "session"]

@@ -1,0 +1,65 @@
+"""kvtopo's public entry points besides generate: compile, session, inspect."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtopo.config import Config
+from kvtopo.passes.manager import PassReport, run_passes
+from kvtopo.runtime import context
+from kvtopo.runtime.session import Session
+
+
+def compile(model: torch.nn.Module, *, inductor: bool = True, dynamic: bool | None = None) -> torch.nn.Module:
+    """Compile `model` in place with the kvtopo backend and return it.
+
+    In place (`nn.Module.compile`) so that HF `model.generate(...)`, which calls the module
+    itself, runs the compiled forward too.
+    """
+    model.compile(backend="kvtopo", options={"inductor": inductor}, dynamic=dynamic)
+    return model
+
+
+def session(config: Config | None = None) -> Session:
+    """A KV store shared by kvtopo-compiled calls made inside `with kvtopo.session(config) as s:`."""
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"session(config=...) takes a kvtopo.Config, got {type(config).__name__}")
+    return Session(config)
+
+
+def current_session() -> Session:
+    """The innermost active session; raises outside `with kvtopo.session(...)`."""
+    return context.require_active_session("kvtopo.current_session()")
+
+
+@dataclass
+class InspectReport:
+    reports: list[PassReport]
+
+    @property
+    def sites(self):
+        return [s for r in self.reports for s in r.sites]
+
+    @property
+    def refusals(self):
+        return [x for r in self.reports for x in r.refusals]
+
+    def format(self) -> str:
+        return "\n".join(r.format() for r in self.reports) or "kvtopo: Dynamo produced no graph"
+
+
+def inspect(model: torch.nn.Module, *args, **kwargs) -> InspectReport:
+    """Trace `model(*args, **kwargs)` with Dynamo and report every attention site found or refused."""
+    reports: list[PassReport] = []
+
+    def capture(gm, example_inputs):
+        reports.append(run_passes(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=capture)(*args, **kwargs)
+    torch._dynamo.reset()
+    return InspectReport(reports)

@@ -1,0 +1,190 @@
+"""Find hand-written attention: matmul -> scale -> (+mask | where(mask)) -> softmax -> matmul.
+
+This is HF "eager" attention (with or without an fp32 softmax upcast) and GPT-2's older
+`where(causal_mask, scores, min)` form. Anything else between the two matmuls — a tensor
+multiplied into the scores, a fill that is not -inf-like, the probabilities mixed with another
+tensor or used elsewhere — makes the candidate a refusal, never a rewrite.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .graph_utils import (ActivationSources, arg, attention_shapes, check_self_attention, constant_value, is_call,
+                          layer_name, meta_tensor, skip_casts, strip_repeat_kv)
+from .site import AttentionSite, NotAttention, Refusal
+
+_SOFTMAX = ((F.softmax, torch.softmax), ("softmax",))
+_MATMUL = ((torch.matmul, operator.matmul), ("matmul", "__matmul__"))
+_MUL = ((operator.mul, torch.mul), ("mul", "__mul__"))
+_DIV = ((operator.truediv, torch.div), ("div", "__truediv__"))
+_ADD = ((operator.add, torch.add), ("add", "__add__"))
+_MASK_FILL_MIN = -1e4  # a fill at or below this is a mask, not a bias
+
+
+def _is(node, group) -> bool:
+    return is_call(node, *group[0], methods=group[1])
+
+
+def find_eager_sites(gm: fx.GraphModule) -> tuple[list[AttentionSite], list[Refusal]]:
+    sources = ActivationSources(gm.graph)
+    sites, refusals = [], []
+    for node in gm.graph.nodes:
+        if not _is(node, _SOFTMAX) or not _fed_by_matmul(node):
+            continue  # e.g. an MoE router's softmax over linear logits: not attention at all
+        layer = layer_name(node, node.name)
+        try:
+            sites.append(_match(node, layer, sources))
+        except NotAttention as why:
+            refusals.append(Refusal(layer, "eager", node.name, str(why)))
+    return sites, refusals
+
+
+def _fed_by_matmul(softmax: fx.Node, depth: int = 8) -> bool:
+    """Whether a tensor matmul lies within `depth` nodes above the softmax (an attention candidate)."""
+    frontier = [softmax]
+    for _ in range(depth):
+        frontier = [inp for n in frontier for inp in n.all_input_nodes]
+        if any(_is(n, _MATMUL) for n in frontier):
+            return True
+    return False
+
+
+def _single_user(node: fx.Node, what: str) -> fx.Node:
+    if len(node.users) != 1:
+        raise NotAttention(f"{what} ({node.name}) is also used elsewhere ({len(node.users)} users)")
+    return next(iter(node.users))
+
+
+def _match(softmax: fx.Node, layer: str, sources: ActivationSources) -> AttentionSite:
+    dim = arg(softmax, 1, "dim")
+    rank = meta_tensor(softmax).dim()
+    if dim not in (-1, rank - 1):
+        raise NotAttention(f"softmax over dim {dim}, not the key axis (-1)")
+    output, value = _probabilities_to_output(softmax)
+    query, key_t, masks, scale = _scores_from_softmax(softmax)
+    key = _untranspose(key_t)
+    key, _ = strip_repeat_kv(key)
+    value, _ = strip_repeat_kv(value)
+    check_self_attention(sources, query, key, value)
+    heads, kv_heads, head_dim, value_dim = attention_shapes(query, key, value)
+    kinds = sorted(kind for _, kind in masks)
+    if len(masks) > 2 or kinds.count("additive") > 1 or (len(masks) == 2 and "additive" not in kinds):
+        raise NotAttention(f"{len(masks)} masks ({', '.join(kinds)}) are applied to the scores")
+    return AttentionSite(
+        layer=layer, pattern="eager", query=query, key=key, value=value, masks=tuple(masks),
+        scale=scale, is_causal=False, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        value_head_dim=value_dim, output=output,
+    )
+
+
+def _probabilities_to_output(softmax: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """Follow the probabilities through casts and inference dropout to `matmul(p, v)`."""
+    node = softmax
+    while True:
+        user = _single_user(node, "attention probabilities")
+        if is_call(user, methods=("to", "type", "float")) or _is_inference_dropout(user):
+            node = user
+            continue
+        if _is(user, _MATMUL) and user.args[0] is node:
+            return user, user.args[1]
+        raise NotAttention(f"attention probabilities are combined with {_describe(user)} before the value matmul")
+
+
+def _is_inference_dropout(node: fx.Node) -> bool:
+    if not is_call(node, F.dropout):
+        return False
+    p, training = arg(node, 1, "p", 0.5), arg(node, 2, "training", True)
+    if training is False or p == 0:
+        return True
+    raise NotAttention(f"attention dropout p={p} training={training} is not inference attention")
+
+
+def _scores_from_softmax(softmax: fx.Node):
+    """Walk up from the softmax input to `matmul(q, k^T)`, collecting masks and the scale."""
+    node = skip_casts(softmax.args[0])
+    masks: list[tuple[fx.Node, str]] = []
+    scale = 1.0
+    scaled = False  # walking upwards: a mask met after a scale was applied to masked scores
+    while True:
+        if _is(node, _MATMUL):
+            return node.args[0], node.args[1], masks, scale
+        _single_user(node, "attention scores")
+        if _is(node, _MUL) or _is(node, _DIV):
+            a, b = node.args[0], node.args[1]
+            factor, scores = (constant_value(b), a) if isinstance(a, fx.Node) else (constant_value(a), b)
+            if factor is None or not isinstance(scores, fx.Node):
+                raise NotAttention(f"scores are multiplied by a tensor ({_describe(node)}), not a constant scale")
+            scale = scale * factor if _is(node, _MUL) else scale / factor
+            scaled = True
+            node = skip_casts(scores)
+        elif scaled and (_is(node, _ADD) or is_call(node, torch.where)
+                         or is_call(node, torch.masked_fill, methods=("masked_fill",))):
+            raise NotAttention("the scale is applied after the mask")
+        elif _is(node, _ADD):
+            scores, mask = _split_scores(node.args[0], node.args[1])
+            masks.append((mask, "additive"))
+            node = skip_casts(scores)
+        elif is_call(node, torch.where):
+            cond, scores, fill = node.args[:3]
+            _require_mask_fill(fill, "where()")
+            masks.append((cond, "bool"))
+            node = skip_casts(scores)
+        elif is_call(node, torch.masked_fill, methods=("masked_fill",)):
+            scores, cond, fill = node.args[:3]
+            _require_mask_fill(fill, "masked_fill()")
+            masks.append((cond, "bool_inverted"))
+            node = skip_casts(scores)
+        else:
+            raise NotAttention(f"scores pass through {_describe(node)} between the matmul and the softmax")
+
+
+def _split_scores(a, b) -> tuple[fx.Node, fx.Node]:
+    """Which operand of `a + b` is the score chain (leads to matmul) and which the mask."""
+    for scores, mask in ((a, b), (b, a)):
+        if isinstance(scores, fx.Node) and _leads_to_matmul(scores):
+            if not isinstance(mask, fx.Node):
+                raise NotAttention(f"a constant ({mask!r}) is added to the scores")
+            return scores, mask
+    raise NotAttention("neither operand of the score addition comes from a q·k matmul")
+
+
+def _leads_to_matmul(node) -> bool:
+    node = skip_casts(node)
+    while _is(node, _MUL) or _is(node, _DIV) or _is(node, _ADD) or is_call(node, torch.where) \
+            or is_call(node, torch.masked_fill, methods=("masked_fill",)):
+        args = [a for a in node.args[:3] if isinstance(a, fx.Node)]
+        if not args:
+            return False
+        node = skip_casts(args[0] if not is_call(node, torch.where) else node.args[1])
+    return _is(node, _MATMUL)
+
+
+def _require_mask_fill(fill, what: str) -> None:
+    value = constant_value(fill)
+    if value is None or value > _MASK_FILL_MIN:
+        raise NotAttention(f"{what} fills the scores with {fill!r}, not a large negative value: not a mask")
+
+
+def _untranspose(key_t) -> fx.Node:
+    """k from k^T: transpose of the last two dims, or the equivalent permute."""
+    if is_call(key_t, torch.transpose, methods=("transpose",)):
+        dims = {arg(key_t, 1, "dim0"), arg(key_t, 2, "dim1")}
+        if dims in ({-1, -2}, {2, 3}):
+            return key_t.args[0]
+    if is_call(key_t, torch.permute, methods=("permute",)):
+        perm = tuple(key_t.args[1]) if isinstance(key_t.args[1], (tuple, list)) else tuple(key_t.args[1:])
+        if perm == (0, 1, 3, 2):
+            return key_t.args[0]
+    raise NotAttention(f"the score matmul's right operand is {_describe(key_t)}, not a transposed key")
+
+
+def _describe(node) -> str:
+    if not isinstance(node, fx.Node):
+        return repr(node)
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return f"{target} ({node.name})"

@@ -1,0 +1,57 @@
+"""Find `scaled_dot_product_attention` calls (HF "sdpa" attention and plain modules)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .graph_utils import (ActivationSources, arg, attention_shapes, check_self_attention, default_scale, is_call,
+                          layer_name, meta_tensor, strip_repeat_kv)
+from .site import AttentionSite, NotAttention, Refusal
+
+
+def find_sdpa_sites(gm: fx.GraphModule) -> tuple[list[AttentionSite], list[Refusal]]:
+    sources = ActivationSources(gm.graph)
+    sites, refusals = [], []
+    for node in gm.graph.nodes:
+        if not is_call(node, F.scaled_dot_product_attention):
+            continue
+        layer = layer_name(node, node.name)
+        try:
+            sites.append(_match(node, layer, sources))
+        except NotAttention as why:
+            refusals.append(Refusal(layer, "sdpa", node.name, str(why)))
+    return sites, refusals
+
+
+def _match(node: fx.Node, layer: str, sources: ActivationSources) -> AttentionSite:
+    query, key, value = node.args[:3]
+    mask = arg(node, 3, "attn_mask")
+    dropout = arg(node, 4, "dropout_p", 0.0)
+    is_causal = arg(node, 5, "is_causal", False)
+    scale = arg(node, 6, "scale")
+    enable_gqa = node.kwargs.get("enable_gqa", False)
+    if not isinstance(dropout, (int, float)) or dropout != 0:
+        raise NotAttention(f"attention dropout p={dropout} (training mode) is not inference attention")
+    if not isinstance(is_causal, bool):
+        raise NotAttention(f"is_causal is not a constant ({is_causal})")
+    if mask is not None and is_causal:
+        raise NotAttention("both attn_mask and is_causal are set")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise NotAttention(f"scale is not a constant ({scale})")
+    if not enable_gqa:
+        key, _ = strip_repeat_kv(key)
+        value, _ = strip_repeat_kv(value)
+    check_self_attention(sources, query, key, value)
+    heads, kv_heads, head_dim, value_dim = attention_shapes(query, key, value)
+    masks = ()
+    if mask is not None:
+        if not isinstance(mask, fx.Node):
+            raise NotAttention(f"attn_mask is a constant ({mask!r}), not a tensor")
+        masks = ((mask, "bool" if meta_tensor(mask).dtype == torch.bool else "additive"),)
+    return AttentionSite(
+        layer=layer, pattern="sdpa", query=query, key=key, value=value, masks=masks,
+        scale=float(scale) if scale is not None else default_scale(head_dim), is_causal=is_causal,
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim, value_head_dim=value_dim, output=node,
+    )

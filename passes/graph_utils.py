@@ -1,0 +1,181 @@
+"""Small facts about Dynamo FX graphs that the attention passes share."""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+
+import torch
+import torch.fx as fx
+
+from .site import NotAttention
+
+_MODULE_PREFIX = re.compile(r"^L\[[^\]]+\](\[\d+\])?\.?")
+
+
+def is_call(node, *targets, methods: tuple[str, ...] = ()) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_function" and node.target in targets:
+        return True
+    return node.op == "call_method" and node.target in methods
+
+
+def arg(node: fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def meta_tensor(node) -> torch.Tensor:
+    """The fake tensor Dynamo recorded for `node`, or NotAttention if it has none."""
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    if not isinstance(value, torch.Tensor):
+        raise NotAttention(f"no tensor metadata for {node}")
+    return value
+
+
+def static_int(value) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def layer_name(node: fx.Node, fallback: str) -> str:
+    """Qualified name of the innermost module that made `node`, e.g. 'model.layers.3.self_attn'."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return fallback
+    path = list(stack.values())[-1][0]
+    path = _MODULE_PREFIX.sub("", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path).replace("['", ".").replace("']", "")
+    return path.strip(".") or fallback
+
+
+_TRANSPARENT_CASTS = ("to", "type", "float", "contiguous")
+
+
+def skip_casts(node):
+    """Walk up through dtype casts / contiguous, which do not change attention's math."""
+    while is_call(node, methods=_TRANSPARENT_CASTS) and isinstance(node.args[0], fx.Node):
+        if node.target == "to" and not _is_dtype_only_to(node):
+            break
+        node = node.args[0]
+    return node
+
+
+def _is_dtype_only_to(node: fx.Node) -> bool:
+    rest = list(node.args[1:]) + list(node.kwargs.values())
+    return all(isinstance(a, (torch.dtype, torch.device, bool)) or a is None for a in rest)
+
+
+def strip_repeat_kv(node: fx.Node) -> tuple[fx.Node, int]:
+    """Undo a GQA `repeat_kv` (x[:, :, None].expand(B, Hkv, n, S, d).reshape(B, Hkv*n, S, d)).
+
+    Returns the kv-head tensor and the repeat factor (1 if `node` is not a repeat).
+    """
+    if is_call(node, torch.repeat_interleave, methods=("repeat_interleave",)):
+        repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
+        if isinstance(repeats, int) and dim in (1, -3):
+            return node.args[0], repeats
+        return node, 1
+    if not is_call(node, torch.reshape, methods=("reshape", "view")):
+        return node, 1
+    expanded = node.args[0]
+    if not is_call(expanded, methods=("expand",)):
+        return node, 1
+    unsqueezed = expanded.args[0]
+    source = None
+    if is_call(unsqueezed, operator.getitem):
+        index = unsqueezed.args[1]
+        if (isinstance(index, tuple) and len(index) == 5 and index[2] is None
+                and all(i == slice(None) for i in index[:2] + index[3:])):
+            source = unsqueezed.args[0]
+    elif is_call(unsqueezed, torch.unsqueeze, methods=("unsqueeze",)) and arg(unsqueezed, 1, "dim") == 2:
+        source = unsqueezed.args[0]
+    if source is None:
+        return node, 1
+    try:
+        kv, repeated = meta_tensor(source), meta_tensor(node)
+    except NotAttention:
+        return node, 1
+    if kv.dim() != 4 or repeated.dim() != 4:
+        return node, 1
+    heads, kv_heads = static_int(repeated.shape[1]), static_int(kv.shape[1])
+    if heads is None or kv_heads is None or heads % kv_heads:
+        return node, 1
+    if any(static_int(repeated.shape[i]) != static_int(kv.shape[i]) for i in (0, 3)) or \
+            str(repeated.shape[2]) != str(kv.shape[2]):
+        return node, 1
+    return source, heads // kv_heads
+
+
+def _weight_placeholder(node: fx.Node) -> bool:
+    grapharg = node.meta.get("grapharg")
+    source = getattr(getattr(grapharg, "source", None), "name", "")
+    source = source() if callable(source) else source
+    return "._parameters[" in source or "._buffers[" in source
+
+
+class ActivationSources:
+    """Which non-weight graph inputs each node depends on (memoised over one graph)."""
+
+    def __init__(self, graph: fx.Graph):
+        self._memo: dict[fx.Node, frozenset[fx.Node]] = {}
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                tensor = isinstance(node.meta.get("example_value"), torch.Tensor)
+                self._memo[node] = frozenset({node}) if tensor and not _weight_placeholder(node) else frozenset()
+            elif node.op == "get_attr":
+                self._memo[node] = frozenset()
+            else:
+                deps = frozenset()
+                for inp in node.all_input_nodes:
+                    deps |= self._memo.get(inp, frozenset())
+                self._memo[node] = deps
+
+    def __getitem__(self, node: fx.Node) -> frozenset[fx.Node]:
+        return self._memo[node]
+
+
+def check_self_attention(sources: ActivationSources, query: fx.Node, key: fx.Node, value: fx.Node) -> None:
+    """k/v must come from the same inputs as q: cross-attention has no per-step cache to build."""
+    extra = (sources[key] | sources[value]) - sources[query]
+    if extra:
+        names = ", ".join(sorted(n.name for n in extra))
+        raise NotAttention(f"keys/values depend on inputs the queries do not ({names}): cross-attention is not cached")
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def constant_value(node) -> float | None:
+    """A Python number, or a 0-d `torch.full`/`torch.tensor` of one, else None."""
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return float(node)
+    if is_call(node, torch.full) and len(node.args) >= 2 and tuple(node.args[0]) == ():
+        return constant_value(node.args[1])
+    if is_call(node, torch.tensor) and node.args:
+        return constant_value(node.args[0])
+    return None
+
+
+def attention_shapes(query: fx.Node, key: fx.Node, value: fx.Node) -> tuple[int, int, int, int]:
+    """(heads, kv_heads, head_dim, value_head_dim) of a [B, H, T, d] attention, all static."""
+    q, k, v = meta_tensor(query), meta_tensor(key), meta_tensor(value)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise NotAttention(f"expected 4-D [batch, heads, tokens, dim] q/k/v, got {q.dim()}-D/{k.dim()}-D/{v.dim()}-D")
+    heads, kv_heads = static_int(q.shape[1]), static_int(k.shape[1])
+    head_dim, value_dim = static_int(q.shape[3]), static_int(v.shape[3])
+    if None in (heads, kv_heads, head_dim, value_dim):
+        raise NotAttention("head counts and head dims must be static")
+    if static_int(k.shape[3]) != head_dim:
+        raise NotAttention(f"query head dim {head_dim} != key head dim {k.shape[3]}")
+    if static_int(v.shape[1]) != kv_heads or str(v.shape[2]) != str(k.shape[2]):
+        raise NotAttention("keys and values differ in heads or length")
+    if heads % kv_heads:
+        raise NotAttention(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
+    return heads, kv_heads, head_dim, value_dim

@@ -1,0 +1,58 @@
+"""Run kvtopo's graph passes in order and report what each found, refused and rewrote."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from .find_eager import find_eager_sites
+from .find_sdpa import find_sdpa_sites
+from .rewrite import rewrite_sites
+from .site import AttentionSite, Refusal
+
+# Finders run in this order; each sees the graph as the previous ones left it.
+FINDERS = (find_sdpa_sites, find_eager_sites)
+
+
+@dataclass
+class PassReport:
+    sites: list[AttentionSite] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)
+    rewritten: int = 0
+    seconds: float = 0.0
+
+    def format(self) -> str:
+        lines = [f"kvtopo: {len(self.sites)} attention site(s) rewritten, {len(self.refusals)} refused "
+                 f"({self.seconds * 1e3:.1f} ms)"]
+        lines += ["  rewrote " + s.describe() for s in self.sites]
+        lines += ["  " + r.describe() for r in self.refusals]
+        return "\n".join(lines)
+
+
+def _unique_layers(sites: list[AttentionSite]) -> list[AttentionSite]:
+    """A module called twice in one graph gets '#k' suffixes so its calls keep separate caches."""
+    seen: dict[str, int] = {}
+    out = []
+    for site in sites:
+        n = seen.get(site.layer, 0)
+        seen[site.layer] = n + 1
+        if n:
+            site = AttentionSite(**{**site.__dict__, "layer": f"{site.layer}#{n}"})
+        out.append(site)
+    return out
+
+
+def run_passes(gm: fx.GraphModule) -> PassReport:
+    """Find every attention site of `gm`, rewrite it in place, and report. Refusals stay untouched."""
+    start = time.perf_counter()
+    report = PassReport()
+    for finder in FINDERS:
+        sites, refusals = finder(gm)
+        sites = _unique_layers(report.sites + sites)[len(report.sites):]
+        report.rewritten += rewrite_sites(gm, sites) if sites else 0
+        report.sites += sites
+        report.refusals += refusals
+    report.seconds = time.perf_counter() - start
+    return report

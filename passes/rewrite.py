@@ -1,0 +1,64 @@
+"""Replace each found attention site with one `torch.ops.kvtopo.attention` call.
+
+The op receives kv-head k/v (no GQA repeat) and one SDPA-style mask; the nodes that computed the
+old attention become dead and are removed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+import kvtopo.kernels.ops  # noqa: F401  (registers torch.ops.kvtopo.*)
+
+from .site import AttentionSite
+
+
+def _fold_masks(graph: fx.Graph, masks) -> fx.Node | None:
+    """One attn_mask node equivalent to applying every mask of the site."""
+    if not masks:
+        return None
+    bools = [m if kind == "bool" else graph.call_function(torch.logical_not, (m,))
+             for m, kind in masks if kind != "additive"]
+    additive = [m for m, kind in masks if kind == "additive"]
+    if not bools:
+        return additive[0]
+    keep = bools[0]
+    for other in bools[1:]:
+        keep = graph.call_function(torch.logical_and, (keep, other))
+    if not additive:
+        return keep
+    return graph.call_function(torch.where, (keep, additive[0], float("-inf")))
+
+
+def _erase_dead_chain(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase `node` and the ancestors that only it used; never an in-place op or a graph input.
+
+    (A whole-graph DCE would be wrong here: Dynamo graphs keep in-place `copy_` calls whose
+    results are unused but whose effect is not, e.g. DeepSeek-V3 filling its key tensor.)
+    """
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n.users or n.op not in ("call_function", "call_method") or str(n.target).endswith("_"):
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        stack.extend(inputs)
+
+
+def rewrite_sites(gm: fx.GraphModule, sites: list[AttentionSite]) -> int:
+    graph = gm.graph
+    for site in sites:
+        with graph.inserting_before(site.output):
+            mask = _fold_masks(graph, site.masks)
+            new = graph.call_function(
+                torch.ops.kvtopo.attention.default,
+                (site.query, site.key, site.value, mask, site.scale, site.is_causal, site.layer),
+            )
+        new.meta.update({k: v for k, v in site.output.meta.items() if k in ("example_value", "nn_module_stack", "stack_trace", "source_fn_stack")})
+        site.output.replace_all_uses_with(new)
+        _erase_dead_chain(graph, site.output)
+    graph.lint()
+    gm.recompile()
+    return len(sites)

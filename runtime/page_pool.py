@@ -1,0 +1,81 @@
+"""A pool of exact KV pages for one layer: fixed-size slots, a free list, bounded growth.
+
+Pages are slots of one pair of big tensors (keys [capacity, Hkv, P, dk], values
+[capacity, Hkv, P, dv]), as in paged attention. A freed slot goes back on the free list and is
+reused before the pool grows, so pages released by compression really make room. The pool never
+hands out a slot that is in use: when it is full and may not grow, `allocate` raises.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PoolExhausted(RuntimeError):
+    """The pool is at its page limit and every page is live."""
+
+
+class PagePool:
+    def __init__(
+        self,
+        kv_heads: int,
+        page_size: int,
+        key_dim: int,
+        value_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_pages: int | None = None,
+        grow_by: int = 16,
+    ):
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.grow_by = grow_by
+        self.keys = torch.empty(0, kv_heads, page_size, key_dim, dtype=dtype, device=device)
+        self.values = torch.empty(0, kv_heads, page_size, value_dim, dtype=dtype, device=device)
+        self._free: list[int] = []
+        self._live: set[int] = set()
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def live_pages(self) -> int:
+        return len(self._live)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def page_nbytes(self) -> int:
+        return (self.keys[0:1].nbytes + self.values[0:1].nbytes) if self.capacity else 0
+
+    def allocate(self) -> int:
+        if not self._free:
+            self._grow()
+        page = self._free.pop()
+        self._live.add(page)
+        return page
+
+    def release(self, page: int) -> None:
+        if page not in self._live:
+            raise ValueError(f"page {page} is not live in this pool (double free?)")
+        self._live.remove(page)
+        self._free.append(page)
+
+    def _grow(self) -> None:
+        old = self.capacity
+        new = old + max(self.grow_by, old // 4)
+        if self.max_pages is not None:
+            new = min(new, self.max_pages)
+        if new <= old:
+            raise PoolExhausted(
+                f"KV page pool is full: {old} pages of {self.page_size} tokens are all live "
+                f"(max_pages={self.max_pages}); raise max_pages or use a compressing policy"
+            )
+        grow = new - old
+        self.keys = torch.cat([self.keys, self.keys.new_empty(grow, *self.keys.shape[1:])])
+        self.values = torch.cat([self.values, self.values.new_empty(grow, *self.values.shape[1:])])
+        # Pop order: lowest free slot first.
+        self._free.extend(reversed(range(old, new)))
