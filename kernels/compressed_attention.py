@@ -41,7 +41,8 @@ class LowRankHeads:
     beyond head h's rank are zero. Then the padded coefficient columns are multiplied by zero
     in both the logits and the output, so they may hold any finite values: the runtime can
     dequantize each head's true-rank coefficients (the only bytes it stores) into a reused
-    [Hkv, N, R] buffer without clearing it. Build with ``stack_heads``.
+    [Hkv, N, R] buffer without clearing it. Build with ``stack_heads``. Every kv-head holds
+    the same N tokens' worth of coefficients (eviction keeps the same budget per kv-head).
     """
 
     coefficients: Tensor

@@ -22,8 +22,9 @@ of its level. What float16 can cost is a wider stored scale than the float32 ide
 narrow slices far from zero (5 +- 0.03) the offset's float16 step widens the scale by up to
 16%. So float16 is used only when no slice widens by more than ``SCALE_TOLERANCE``
 (and all statistics are finite in float16); otherwise the whole tensor keeps float32
-statistics, which are exact. Either way ``|x - dequantize(q)| <= (1 + SCALE_TOLERANCE) *
-ideal_scale / 2`` up to float32 arithmetic rounding.
+statistics, which do not widen the scale. Either way ``|x - dequantize(q)| <= (1 + SCALE_TOLERANCE) *
+ideal_scale / 2`` up to float32 arithmetic rounding. The decision reads one boolean back
+from the device per call.
 
 Codes are packed into uint8 along the last dimension, ``8 // bits`` codes per byte, the
 first code in the low bits; a last byte that is only partly used is zero-padded.
@@ -38,7 +39,9 @@ from torch import Tensor
 
 SUPPORTED_BITS = (2, 4, 8)
 
-# How much wider than the float32 ideal a float16 scale may be before falling back to float32.
+# How much wider than the float32 ideal a float16 scale may be before falling back to float32:
+# 1.6%, ten times the 0.14% that zero-centred data measured, far below the 16% of narrow
+# slices far from zero.
 SCALE_TOLERANCE = 2.0**-6
 
 
