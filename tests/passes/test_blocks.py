@@ -1,0 +1,123 @@
+"""Hand-written attention blocks the passes must find, and ones they must refuse (with the reason)."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kvtopo
+from kvtopo.models.blocks import BLOCKS, _Projections
+from kvtopo.passes.manager import run_passes
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_block_is_rewritten_and_equal(name):
+    block = BLOCKS[name]().eval()
+    x = torch.randn(2, 10, 32)
+    report = kvtopo.inspect(block, x)
+    assert len(report.sites) == 1 and not report.refusals
+    with torch.no_grad():
+        expected = block(x)
+        got = torch.compile(block, backend="kvtopo", options={"inductor": False})(x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_block_decodes_incrementally_in_a_session(name):
+    """Chunks fed through a session give the same outputs as one full causal forward."""
+    block = BLOCKS[name]().eval()
+    x = torch.randn(2, 11, 32)
+    compiled = torch.compile(block, backend="kvtopo", options={"inductor": False})
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless(page_size=3)) as s:
+        parts = [compiled(x[:, :4]), compiled(x[:, 4:5]), compiled(x[:, 5:])]
+        assert s.stats().tokens == (11, 11)
+    torch.testing.assert_close(torch.cat(parts, 1), block(x).detach(), atol=1e-5, rtol=0)
+
+
+class CrossAttention(_Projections):
+    def forward(self, x, memory):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 8).transpose(1, 2)
+        k = self.k(memory).view(b, memory.shape[1], 2, 8).transpose(1, 2)
+        v = self.v(memory).view(b, memory.shape[1], 2, 8).transpose(1, 2)
+        return self.out(F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+
+class SoftmaxOverQueries(_Projections):
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        probs = torch.softmax(q @ self.repeat_kv(k).transpose(-1, -2) * 0.35, dim=-2)
+        return self.out(probs @ self.repeat_kv(v))
+
+
+class HeadMaskAfterSoftmax(_Projections):
+    def __init__(self):
+        super().__init__()
+        self.head_gate = nn.Parameter(torch.rand(1, 4, 1, 1))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        probs = torch.softmax(q @ self.repeat_kv(k).transpose(-1, -2) * 0.35, dim=-1)
+        return self.out((probs * self.head_gate) @ self.repeat_kv(v))
+
+
+class ZeroFilledMask(_Projections):
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        t = x.shape[1]
+        keep = torch.ones(t, t, dtype=torch.bool).tril()
+        scores = torch.where(keep, q @ self.repeat_kv(k).transpose(-1, -2) * 0.35, 0.0)
+        return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
+
+
+class ReturnsProbabilities(_Projections):
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        probs = torch.softmax(q @ self.repeat_kv(k).transpose(-1, -2) * 0.35, dim=-1)
+        return self.out(probs @ self.repeat_kv(v)), probs
+
+
+class TensorTimesScores(_Projections):
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        t = x.shape[1]
+        slopes = torch.linspace(0.5, 1.0, t)
+        probs = torch.softmax((q @ self.repeat_kv(k).transpose(-1, -2)) * slopes, dim=-1)
+        return self.out(probs @ self.repeat_kv(v))
+
+
+class TrainingDropout(_Projections):
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        return self.out(F.scaled_dot_product_attention(q, self.repeat_kv(k), self.repeat_kv(v), dropout_p=0.1))
+
+
+REFUSED = [
+    (CrossAttention, "cross-attention"),
+    (SoftmaxOverQueries, "not the key axis"),
+    (HeadMaskAfterSoftmax, "combined with"),
+    (ZeroFilledMask, "not a mask"),
+    (ReturnsProbabilities, "used elsewhere"),
+    (TensorTimesScores, "multiplied by a tensor"),
+    (TrainingDropout, "dropout"),
+]
+
+
+@pytest.mark.parametrize("cls,reason", REFUSED, ids=[c.__name__ for c, _ in REFUSED])
+def test_refused_pattern_leaves_graph_unchanged(cls, reason):
+    block = cls().eval()
+    args = (torch.randn(1, 6, 32), torch.randn(1, 9, 32)) if cls is CrossAttention else (torch.randn(1, 6, 32),)
+    graphs = []
+
+    def check(gm, example_inputs):
+        before = [(n.op, n.target, n.args) for n in gm.graph.nodes]
+        report = run_passes(gm)
+        assert [(n.op, n.target, n.args) for n in gm.graph.nodes] == before
+        graphs.append(report)
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(block, backend=check)(*args)
+    refusals = [r for rep in graphs for r in rep.refusals]
+    assert not any(rep.sites for rep in graphs)
+    assert len(refusals) == 1 and reason in refusals[0].reason, refusals
