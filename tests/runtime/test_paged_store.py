@@ -1,0 +1,83 @@
+"""The exact paged store: pages, block tables, reuse, limits and isolation."""
+
+import pytest
+import torch
+
+from kvtopo.runtime.layer_cache import LayerCache
+from kvtopo.runtime.page_pool import PagePool, PoolExhausted
+
+
+def _kv(n, heads=2, dim=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(heads, n, dim, generator=g), torch.randn(heads, n, dim, generator=g)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_history_returns_exactly_what_was_appended(page_size):
+    cache = LayerCache(page_size, None)
+    k1, v1 = _kv(5, seed=1)
+    k2, v2 = _kv(9, seed=2)
+    cache.append(0, k1, v1)
+    cache.append(0, k2, v2)
+    keys, values = cache.history(0)
+    assert torch.equal(keys, torch.cat([k1, k2], 1)) and torch.equal(values, torch.cat([v1, v2], 1))
+    assert len(cache.sequences[0].pages) == -(-14 // page_size)
+    assert cache.sequences[0].block_table.dtype == torch.int32
+
+
+def test_sequences_never_see_each_others_pages():
+    cache = LayerCache(4, None)
+    for step in range(3):  # interleaved appends share the pool
+        for seq in range(3):
+            k, v = _kv(3, seed=10 * seq + step)
+            cache.append(seq, k + 100 * seq, v + 100 * seq)
+    for seq in range(3):
+        keys, _ = cache.history(seq)
+        expected = torch.cat([_kv(3, seed=10 * seq + s)[0] + 100 * seq for s in range(3)], 1)
+        assert torch.equal(keys, expected)
+    pages = [set(cache.sequences[s].pages) for s in range(3)]
+    assert not (pages[0] & pages[1] or pages[1] & pages[2] or pages[0] & pages[2])
+
+
+def test_released_pages_are_reused_before_the_pool_grows():
+    cache = LayerCache(2, None)
+    cache.append(0, *_kv(10))
+    capacity = cache.pool.capacity
+    cache.release(0)
+    cache.append(1, *_kv(10, seed=3))
+    assert cache.pool.capacity == capacity
+    assert cache.pool.live_pages == 5
+
+
+def test_full_pool_raises_and_never_overwrites_live_pages():
+    cache = LayerCache(2, max_pages=3)
+    k, v = _kv(6)
+    cache.append(0, k, v)
+    with pytest.raises(PoolExhausted, match="max_pages=3"):
+        cache.append(1, *_kv(1, seed=4))
+    keys, values = cache.history(0)
+    assert torch.equal(keys, k) and torch.equal(values, v)
+
+
+def test_double_release_is_an_error():
+    pool = PagePool(1, 2, 2, 2, torch.float32, torch.device("cpu"))
+    page = pool.allocate()
+    pool.release(page)
+    with pytest.raises(ValueError, match="not live"):
+        pool.release(page)
+
+
+def test_mismatched_kv_shapes_are_refused():
+    cache = LayerCache(4, None)
+    cache.append(0, *_kv(2))
+    with pytest.raises(ValueError, match="do not match"):
+        cache.append(0, *_kv(2, heads=3))
+
+
+def test_nbytes_are_the_held_tensors():
+    cache = LayerCache(4, None)
+    cache.append(0, *_kv(6))
+    kinds = cache.nbytes()
+    assert kinds["exact"] + kinds["free"] == cache.pool.keys.nbytes + cache.pool.values.nbytes
+    assert kinds["metadata"] == cache.sequences[0].block_table.nbytes
+    assert kinds["exact"] == 2 * 2 * 2 * 4 * 4 * 4  # 2 live pages x (k, v) x heads x page x dim x fp32 bytes

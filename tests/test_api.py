@@ -1,0 +1,104 @@
+"""Config validation, session misuse, the op outside sessions, and the backend entry point."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kvtopo
+from kvtopo.kernels.ops import DECOMPOSITIONS
+from kvtopo.kernels.reference import grouped_attention
+
+
+@pytest.mark.parametrize("field,value", [("page_size", 0), ("page_size", 1.5), ("max_pages", 0),
+                                         ("prefill_chunk_size", -1), ("policy", "magic")])
+def test_bad_config_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"Config\.{field}={value!r}"):
+        kvtopo.Config(**{field: value})
+
+
+def test_config_is_immutable():
+    config = kvtopo.Config.lossless()
+    with pytest.raises(AttributeError):
+        config.page_size = 8
+    assert config.replace(page_size=8).page_size == 8
+
+
+def test_session_api_outside_a_session():
+    with pytest.raises(RuntimeError, match="kvtopo.session"):
+        kvtopo.current_session()
+    s = kvtopo.session(kvtopo.Config.lossless())
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(RuntimeError, match="closed"):
+        s.attend("layer", q, q, q, None, 0.5)
+    with pytest.raises(TypeError, match="kvtopo.Config"):
+        kvtopo.session({"page_size": 4})
+
+
+def test_session_batch_size_is_fixed():
+    q = torch.randn(2, 2, 3, 4)
+    with kvtopo.session(kvtopo.Config.lossless()) as s:
+        s.attend("l", q, q, q, None, 0.5)
+        with pytest.raises(ValueError, match="batch 1"):
+            s.attend("l", q[:1], q[:1], q[:1], None, 0.5)
+
+
+def test_positional_bias_is_refused_inside_a_session():
+    q = torch.randn(1, 2, 3, 4)
+    with kvtopo.session(kvtopo.Config.lossless()) as s:
+        with pytest.raises(ValueError, match="positional bias"):
+            s.attend("l", q, q, q, torch.randn(3, 3), 0.5)
+
+
+def test_op_outside_a_session_is_exact_attention_with_gqa():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 8, 5, 16, generator=g), torch.randn(2, 2, 7, 16, generator=g), torch.randn(2, 2, 7, 16, generator=g)
+    mask = torch.rand(5, 7, generator=g) > 0.3
+    mask[:, 0] = True
+    got = torch.ops.kvtopo.attention(q, k, v, mask, 0.3, False, "l")
+    q64, k64, v64 = q.double(), k.double().repeat_interleave(4, 1), v.double().repeat_interleave(4, 1)
+    scores = (q64 @ k64.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(got.double(), scores.softmax(-1) @ v64, atol=1e-5, rtol=0)
+
+
+class _OpModule(torch.nn.Module):
+    def forward(self, q, k, v, mask):
+        return torch.ops.kvtopo.attention(q, k, v, mask, 0.25, False, "l")
+
+
+def test_op_exports_and_decomposes_to_aten():
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    mask = torch.zeros(6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    program = torch.export.export(_OpModule(), (q, k, v, mask))
+    assert any(n.target is torch.ops.kvtopo.attention.default for n in program.graph.nodes)
+    decomposed = program.run_decompositions(DECOMPOSITIONS)
+    assert not any("kvtopo" in str(n.target) for n in decomposed.graph.nodes)
+    torch.testing.assert_close(decomposed.module()(q, k, v, mask), grouped_attention(q, k, v, mask, 0.25), atol=1e-6, rtol=0)
+
+
+def test_backend_name_works_in_a_fresh_process_without_importing_kvtopo():
+    code = textwrap.dedent("""
+        import sys, torch
+        m = torch.nn.MultiheadAttention  # unused; keeps imports honest
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.qkv = torch.nn.Linear(16, 48)
+            def forward(self, x):
+                q, k, v = self.qkv(x).view(1, -1, 3, 2, 8).permute(2, 0, 3, 1, 4)
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        block = Block().eval()
+        x = torch.randn(1, 5, 16)
+        with torch.no_grad():
+            out = torch.compile(block, backend="kvtopo", options={"inductor": False})(x)
+            torch.testing.assert_close(out, block(x))
+        import kvtopo.backend
+        assert "kvtopo" in sys.modules and sum(len(r.sites) for r in kvtopo.backend.REPORTS) == 1
+        print("OK")
+    """)
+    # The backend module is imported by Dynamo's entry-point lookup, before the test's own import.
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("OK")
