@@ -1,0 +1,202 @@
+"""HF `model.generate(...)` on a kvtopo-compiled model, through a tensor-free `transformers` Cache.
+
+    model = kvtopo.compile(model)
+    with kvtopo.session(kvtopo.Config.lossless()) as s:
+        out = model.generate(ids, max_new_tokens=32, cache=kvtopo.hf_cache.SessionCache(s))
+        print(s.stats().tokens)           # prompt + new - 1 tokens stored per layer
+
+(`past_key_values=SessionCache(s)` works too; transformers 5.x renamed that argument `cache`.)
+
+`SessionCache` keeps no tensors. Its `update` hands each layer's new k/v straight back, so the
+graph's attention sees only the step's new tokens; the rewritten `kvtopo::attention` op then
+takes the layer's history from the active session and appends the new k/v to it. Accordingly:
+
+* `get_seq_length()` is the session's stored length (what HF generate reads, outside the
+  compiled graph, to slice the prompt and to continue from an existing history);
+* `get_query_offset()` / `get_mask_sizes(q)` describe attention over the new chunk only:
+  query offset 0, kv length q, kv offset 0. These are constants, so the compiled graph never
+  depends on how many tokens are stored and Dynamo compiles once for the prefill shape and once
+  for decode (T=1), not once per step.
+
+Left-padded batches need the session to know which tokens are padding (`Session.step`), which
+`model.generate` does not tell a Cache. Use `kvtopo.hf_cache.generate(model, ids,
+attention_mask=mask, max_new_tokens=...)` inside the session for those: it calls
+`model.generate` with a `SessionCache` and marks each forward's real tokens for the session.
+Without padding it is the same as passing `cache=SessionCache(s)` yourself.
+
+Calling the model yourself works as well (`model(input_ids=chunk, position_ids=pos, cache=c)`
+inside the session); without `position_ids` the model asks `get_seq_length()` from inside the
+compiled forward, which then runs eagerly and splits the graph there (still a bounded number of
+compiles, since Dynamo makes the returned length a dynamic int).
+
+Calling the same `model.generate` again with the full token history (e.g. the previous output
+plus a new turn) continues the session: HF slices off the stored prefix via `get_seq_length()`.
+
+Not supported: beam search, assisted/speculative decoding, and anything else that must reorder,
+crop or repeat stored history; the Cache methods they use raise NotImplementedError. A forward
+that runs eagerly instead of through the kvtopo-compiled graph (model not compiled with
+backend="kvtopo", or Dynamo fell back to eager) raises rather than attending over the new
+tokens alone.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+from transformers.cache_utils import Cache
+
+from kvtopo.runtime import context
+from kvtopo.runtime.session import Session
+
+__all__ = ["SessionCache", "generate"]
+
+
+class SessionCache(Cache):
+    """A `transformers` Cache whose history lives in a kvtopo session (it stores nothing itself)."""
+
+    def __init__(self, session: Session):
+        if not isinstance(session, Session):
+            raise TypeError(f"SessionCache(session) takes a kvtopo Session, got {type(session).__name__}")
+        super().__init__(layers=[])
+        self.session = session
+
+    def __repr__(self) -> str:
+        return f"SessionCache(session={self.session!r})"
+
+    # -- what the compiled forward calls (traced by Dynamo) ------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Return the new k/v unchanged: the kvtopo op adds the stored history inside the session."""
+        if not torch.compiler.is_compiling():
+            raise RuntimeError(
+                "SessionCache.update ran eagerly: the model must run through a graph compiled with "
+                "backend='kvtopo' (kvtopo.compile(model)); its attention op supplies the history. "
+                "(Dynamo may also have fallen back to eager, e.g. after hitting its recompile limit.)"
+            )
+        return key_states, value_states
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """The queries' offset within the keys attention sees (only the new chunk): always 0."""
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """(kv_length, kv_offset) of what attention sees: the new chunk only."""
+        return query_length, 0
+
+    # -- what HF generate calls eagerly ----------------------------------------------------------
+    # Run eagerly even when a compiled forward asks (no position_ids given): Dynamo then breaks the
+    # graph here and treats the returned length as a dynamic int instead of recompiling per step.
+    @torch.compiler.disable(reason="kvtopo SessionCache reads the session's stored length eagerly")
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens stored in the session (the longest sequence of the batch)."""
+        session = self._active_session("get_seq_length")
+        first = next(iter(session.layers.values()), None)
+        if first is None:
+            return 0
+        return max((first.length(seq) for seq in first.sequences), default=0)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def reset(self) -> None:
+        """Forget every stored sequence of the session."""
+        self.session.clear()
+
+    @property
+    def is_compileable(self) -> bool:
+        # False: HF generate must neither build static 4D masks for it nor auto-compile the forward.
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    # One full-attention pseudo layer, so HF's mask and prefill logic treat it as an attention cache.
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False]
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False]
+
+    @property
+    def is_initialized(self) -> bool:
+        return True
+
+    # -- what would need copying or dropping history: unsupported -------------------------------
+    def _unsupported(self, what: str):
+        raise NotImplementedError(
+            f"kvtopo SessionCache does not support {what}: the session's history cannot be reordered, "
+            "cropped or repeated (beam search and assisted decoding are not supported); use greedy or "
+            "sampled decoding"
+        )
+
+    def reorder_cache(self, beam_idx):
+        self._unsupported("reorder_cache")
+
+    def crop(self, tokens_to_remove: int):
+        self._unsupported("crop")
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices):
+        self._unsupported("batch_select_indices")
+
+    def early_initialization(self, *args, **kwargs):
+        pass
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _active_session(self, what: str) -> Session:
+        active = context.active_session()
+        if active is not self.session:
+            state = "is not active" if not self.session.active else "is not the innermost active session"
+            raise RuntimeError(
+                f"SessionCache.{what}: its kvtopo session {state}; call model.generate(..., "
+                "cache=SessionCache(s)) inside `with kvtopo.session(config) as s:`"
+            )
+        return self.session
+
+
+def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             **generate_kwargs):
+    """`model.generate(input_ids, attention_mask=..., **generate_kwargs)` in the active kvtopo session.
+
+    Passes a `SessionCache` of the active session and, when `attention_mask` has (left) padding,
+    marks each forward's real tokens for the session so padding is neither stored nor attended.
+    """
+    session = context.require_active_session("kvtopo.hf_cache.generate")
+    for name in ("cache", "past_key_values"):
+        if generate_kwargs.get(name) is not None:
+            raise ValueError(f"kvtopo.hf_cache.generate passes its own cache; do not pass {name}=")
+    cache = SessionCache(session)
+    if attention_mask is None or bool(attention_mask.bool().all()):
+        return model.generate(input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)
+    mask = attention_mask.bool()
+    if bool((mask.long().cummax(1).values.bool() != mask).any()):
+        raise ValueError("attention_mask must be left-padded (no padding after a real token)")
+
+    original = model.prepare_inputs_for_generation
+    steps = ExitStack()
+
+    def prepare_inputs(*args, **kwargs):
+        inputs = original(*args, **kwargs)
+        step_mask = kwargs.get("attention_mask")
+        if step_mask is None:
+            raise RuntimeError("HF generate dropped the attention mask of a padded batch")
+        chunk = inputs["input_ids"].shape[1]
+        steps.close()  # the previous forward's step ends here
+        steps.enter_context(session.step(step_mask[:, -chunk:].bool()))
+        return inputs
+
+    model.prepare_inputs_for_generation = prepare_inputs
+    try:
+        return model.generate(input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)
+    finally:
+        del model.prepare_inputs_for_generation
+        steps.close()

@@ -1,0 +1,122 @@
+"""HF `model.generate` on a kvtopo-compiled model through the tensor-free SessionCache adapter."""
+
+import pytest
+import torch
+
+import kvtopo
+import kvtopo.backend
+from kvtopo.hf_cache import SessionCache
+from kvtopo.models import zoo
+
+PROMPT, STEPS = 40, 16
+GREEDY = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+def _prompt(batch=1, length=PROMPT, seed=1):
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _holds_tensor(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple, set)):
+        return any(_holds_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    return False
+
+
+def test_hf_generate_matches_uncompiled_model_with_few_compiles():
+    ids = _prompt()
+    with torch.no_grad():
+        expected = zoo.build("llama").generate(ids, max_new_tokens=STEPS, **GREEDY)
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    compiles_before = len(kvtopo.backend.REPORTS)
+
+    with kvtopo.session(kvtopo.Config.lossless()) as s, torch.no_grad():
+        cache = SessionCache(s)
+        out = model.generate(ids, max_new_tokens=STEPS, cache=cache, **GREEDY)
+        stats = s.stats()
+
+    assert torch.equal(out.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(out.logits, 1), torch.stack(expected.logits, 1), atol=1e-4, rtol=0)
+    assert stats.tokens == (PROMPT + STEPS - 1,)
+    assert len(stats.per_layer) == zoo.num_attention_layers(model)
+    # One graph for the prefill shape, one for decode (T=1): not one per step.
+    first_run = len(kvtopo.backend.REPORTS) - compiles_before
+    assert 1 <= first_run <= 3, first_run
+
+    # The adapter holds no tensors: only the session (which owns the store) and bookkeeping.
+    assert cache.layers == []
+    assert cache.session is s
+    assert not any(_holds_tensor(v) for k, v in vars(cache).items() if k != "session"), vars(cache)
+
+    # A second generate in a fresh session, with a fresh adapter, reuses the compiled graphs.
+    with kvtopo.session(kvtopo.Config.lossless()) as s2, torch.no_grad():
+        again = model.generate(ids, max_new_tokens=STEPS, cache=SessionCache(s2), **GREEDY)
+    assert torch.equal(again.sequences, expected.sequences)
+    assert len(kvtopo.backend.REPORTS) - compiles_before == first_run
+
+
+def test_generate_continues_the_session_history():
+    ids = _prompt(length=20, seed=3)
+    with torch.no_grad():
+        expected = zoo.build("llama").generate(ids, max_new_tokens=12, do_sample=False)
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    with kvtopo.session(kvtopo.Config.lossless()) as s, torch.no_grad():
+        cache = SessionCache(s)
+        first = model.generate(ids, max_new_tokens=6, do_sample=False, cache=cache)
+        second = model.generate(first, max_new_tokens=6, do_sample=False, cache=cache)
+        assert s.stats().tokens == (20 + 12 - 1,)
+    assert torch.equal(second, expected)
+
+
+def test_left_padded_batch_through_the_helper_matches_hf():
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (17, 40, 29)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = p
+        mask[row, width - len(p):] = 1
+    kwargs = dict(max_new_tokens=8, pad_token_id=0, **GREEDY)
+    with torch.no_grad():
+        expected = zoo.build("llama").generate(ids, attention_mask=mask, **kwargs)
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    with kvtopo.session(kvtopo.Config.lossless()) as s, torch.no_grad():
+        out = kvtopo.hf_cache.generate(model, ids, attention_mask=mask, **kwargs)
+        assert s.stats().tokens == tuple(len(p) + 8 - 1 for p in prompts)
+    assert "prepare_inputs_for_generation" not in vars(model)  # the helper's hook is removed again
+    assert torch.equal(out.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(out.logits, 1), torch.stack(expected.logits, 1), atol=1e-4, rtol=0)
+
+
+def test_using_the_adapter_outside_its_session_raises():
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    ids = _prompt(length=8)
+    session = kvtopo.session(kvtopo.Config.lossless())
+    cache = SessionCache(session)
+    with pytest.raises(RuntimeError, match="session is not active"):
+        model.generate(ids, max_new_tokens=2, cache=cache)
+    with pytest.raises(RuntimeError, match="not active"):
+        cache.get_seq_length()
+    with session, kvtopo.session() as inner:  # another session is innermost
+        with pytest.raises(RuntimeError, match="not the innermost"):
+            cache.get_seq_length()
+        assert SessionCache(inner).get_seq_length() == 0
+    with pytest.raises(RuntimeError, match="active kvtopo session"):
+        kvtopo.hf_cache.generate(model, ids, max_new_tokens=2)
+    with pytest.raises(TypeError, match="kvtopo Session"):
+        SessionCache(kvtopo.Config())
+
+
+def test_uncompiled_model_and_beam_search_raise():
+    ids = _prompt(length=8)
+    with kvtopo.session() as s, torch.no_grad():
+        with pytest.raises(RuntimeError, match="backend='kvtopo'"):
+            zoo.build("llama").generate(ids, max_new_tokens=2, cache=SessionCache(s))
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    with kvtopo.session() as s, torch.no_grad():
+        with pytest.raises(NotImplementedError, match="beam search"):
+            model.generate(ids, max_new_tokens=2, num_beams=2, cache=SessionCache(s))
