@@ -1,0 +1,99 @@
+"""The `kvtopo` command line (`kvtopo ...` or `python -m kvtopo ...`).
+
+    kvtopo inspect llama                       # attention sites of a zoo model, found or refused
+    kvtopo inspect deepseek-v3 --attn eager --tokens 16
+
+Each subcommand is one `_add_<name>(subparsers)` function that registers its parser and sets
+`run=<handler>`; a handler takes the parsed arguments and returns the exit code. To add a
+subcommand (e.g. `export`), write its `_add_...` function and list it in `SUBCOMMANDS`.
+Usage errors (bad arguments, unknown model names) exit with status 2, like argparse's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+class UsageError(Exception):
+    """A bad command line: reported on stderr with exit status 2."""
+
+
+# -- inspect -------------------------------------------------------------------------------------
+def _add_inspect(subparsers) -> None:
+    from kvtopo.models import zoo
+
+    p = subparsers.add_parser(
+        "inspect",
+        help="list the attention sites kvtopo finds (or refuses) in a zoo model",
+        description="Trace a zoo model with Dynamo and print every attention site kvtopo rewrites, with its "
+                    "shape facts, and every attention-like pattern it refuses, with the reason.",
+    )
+    p.add_argument("model", metavar="MODEL", help=f"zoo model name: {', '.join(zoo.ZOO_MODELS)}")
+    p.add_argument("--attn", choices=zoo.ATTN_IMPLEMENTATIONS, default="sdpa",
+                   help="HF attention implementation to build the model with (default: sdpa)")
+    p.add_argument("--tokens", type=_positive_int, default=8, metavar="N",
+                   help="prompt length of the traced call (default: 8)")
+    p.set_defaults(run=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    import torch
+
+    import kvtopo
+    from kvtopo.models import zoo
+
+    if args.model not in zoo.ZOO_MODELS:
+        raise UsageError(f"unknown zoo model {args.model!r}; choose one of: {', '.join(zoo.ZOO_MODELS)}")
+    model = zoo.build(args.model, attn_implementation=args.attn)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    report = kvtopo.inspect(model, ids, use_cache=False)
+
+    layers = zoo.num_attention_layers(model)
+    print(f"{args.model} (attn={args.attn}, {layers} attention layer(s)), traced on {args.tokens} token(s), "
+          f"{len(report.reports)} graph(s)")
+    for site in report.sites:
+        print(f"  found   {site.describe()}")
+    for refusal in report.refusals:
+        print(f"  refused {refusal.describe()}")
+    if not report.reports:
+        print("  Dynamo produced no graph")
+    print(f"{len(report.sites)} site(s) rewritten, {len(report.refusals)} refused")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+# -- the command ---------------------------------------------------------------------------------
+SUBCOMMANDS = (_add_inspect,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtopo", description="kvtopo: compiler-pass based KV-cache compression.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 on argparse errors
+    try:
+        return args.run(args)
+    except UsageError as err:
+        parser.exit(2, f"{parser.prog} {args.command}: error: {err}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
