@@ -1,5 +1,7 @@
 """HF `model.generate(...)` on a kvtopo-compiled model, through a tensor-free `transformers` Cache.
 
+    import kvtopo, kvtopo.hf_cache
+
     model = kvtopo.compile(model)
     with kvtopo.session(kvtopo.Config.lossless()) as s:
         out = model.generate(ids, max_new_tokens=32, cache=kvtopo.hf_cache.SessionCache(s))
@@ -16,7 +18,9 @@ takes the layer's history from the active session and appends the new k/v to it.
 * `get_query_offset()` / `get_mask_sizes(q)` describe attention over the new chunk only:
   query offset 0, kv length q, kv offset 0. These are constants, so the compiled graph never
   depends on how many tokens are stored and Dynamo compiles once for the prefill shape and once
-  for decode (T=1), not once per step.
+  for decode (T=1), not once per step (a later prompt of another length adds one dynamic-shape
+  compile). The graph's own mask is therefore causal over the chunk; inside the session the op
+  ignores it anyway and applies the session's causal/padding mask over [history ; chunk].
 
 Left-padded batches need the session to know which tokens are padding (`Session.step`), which
 `model.generate` does not tell a Cache. Use `kvtopo.hf_cache.generate(model, ids,
@@ -189,7 +193,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
         step_mask = kwargs.get("attention_mask")
         if step_mask is None:
             raise RuntimeError("HF generate dropped the attention mask of a padded batch")
-        chunk = inputs["input_ids"].shape[1]
+        new = inputs.get("input_ids")
+        chunk = (new if new is not None else inputs["inputs_embeds"]).shape[1]
         steps.close()  # the previous forward's step ends here
         steps.enter_context(session.step(step_mask[:, -chunk:].bool()))
         return inputs
