@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-POLICIES = ("full",)
+OVER_BUDGET = ("evict", "raise")
+BITS = (2, 4, 8)
 
 
 def _require(ok: bool, field: str, value, allowed: str) -> None:
@@ -13,34 +14,85 @@ def _require(ok: bool, field: str, value, allowed: str) -> None:
         raise ValueError(f"Config.{field}={value!r} is invalid: {allowed}")
 
 
+def _int(value, lo: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= lo
+
+
+def _fraction(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 < value <= 1.0
+
+
 @dataclass(frozen=True)
 class Config:
-    """How a kvtopo session stores the KV cache.
+    """How a kvtopo session stores the KV cache. Defaults: the `topo` policy at 8x vs fp16.
 
-    page_size: tokens per KV page; pages are the unit of allocation and of re-encoding.
-    max_pages: per-layer page limit of the pool (None: grow as needed). A full pool raises.
-    prefill_chunk_size: prompt tokens per forward in `kvtopo.generate`'s chunked prefill.
-    policy: what to keep and how to encode it; "full" keeps every token exactly.
+    Lifecycle (runtime/phases.py): pages of `page_size` tokens; the pages holding the first
+    `sink_tokens` tokens and any page overlapping `protected_spans` ((start, end) token ranges,
+    e.g. a system prompt) stay exact; the `recent_tokens` behind the page being written are
+    stored in `recent_bits` (None = exact); older pages are Mid.
+    Mid (topo): each kv-head keeps the principal directions holding `key_energy` /
+    `value_energy` of its keys'/values' energy (None = no projection), coefficients in
+    `mid_bits` bits (None = floats); tokens are evicted by the exp-free score of the latest
+    `observation_window` queries (`score_margin` logits) when needed to meet the budget.
+    Budget: `target_ratio` (bytes vs an fp16 cache of the same tokens) and/or
+    `layer_budget_bytes` (per sequence and layer); when even evicting a whole page cannot meet
+    it, `over_budget` says whether to keep going ("evict": evict what can be, report the miss
+    in stats) or raise.
+    `max_pages`: per-layer limit of the exact page pool (None: grow). A full pool raises.
+    `prefill_chunk_size`: prompt tokens per forward in `kvtopo.generate`.
     """
 
-    page_size: int = 16
+    policy: str = "topo"
+    page_size: int = 32
+    sink_tokens: int = 32
+    recent_tokens: int = 64
+    protected_spans: tuple[tuple[int, int], ...] = ()
+    recent_bits: int | None = 8
+    mid_bits: int | None = 4
+    key_energy: float | None = 0.9
+    value_energy: float | None = 0.9
+    observation_window: int = 32
+    score_margin: float = 4.0
+    target_ratio: float | None = 8.0
+    layer_budget_bytes: int | None = None
+    over_budget: str = "evict"
     max_pages: int | None = None
     prefill_chunk_size: int = 512
-    policy: str = "full"
 
     def __post_init__(self):
-        _require(isinstance(self.page_size, int) and 1 <= self.page_size <= 4096,
-                 "page_size", self.page_size, "an int in [1, 4096]")
-        _require(self.max_pages is None or (isinstance(self.max_pages, int) and self.max_pages >= 1),
-                 "max_pages", self.max_pages, "None or an int >= 1")
-        _require(isinstance(self.prefill_chunk_size, int) and self.prefill_chunk_size >= 1,
-                 "prefill_chunk_size", self.prefill_chunk_size, "an int >= 1")
-        _require(self.policy in POLICIES, "policy", self.policy, f"one of {POLICIES}")
+        from kvtopo.runtime.policies import POLICIES
+
+        _require(self.policy in POLICIES, "policy", self.policy, f"one of {tuple(POLICIES)}")
+        _require(_int(self.page_size, 1) and self.page_size <= 4096, "page_size", self.page_size, "an int in [1, 4096]")
+        _require(_int(self.sink_tokens, 0), "sink_tokens", self.sink_tokens, "an int >= 0")
+        _require(_int(self.recent_tokens, 0), "recent_tokens", self.recent_tokens, "an int >= 0")
+        spans_ok = isinstance(self.protected_spans, tuple) and all(
+            isinstance(s, tuple) and len(s) == 2 and _int(s[0], 0) and _int(s[1], 0) and s[0] < s[1]
+            for s in self.protected_spans)
+        _require(spans_ok, "protected_spans", self.protected_spans, "a tuple of (start, end) int pairs with start < end")
+        _require(self.recent_bits is None or self.recent_bits in BITS, "recent_bits", self.recent_bits, f"None or one of {BITS}")
+        _require(self.mid_bits is None or self.mid_bits in BITS, "mid_bits", self.mid_bits, f"None or one of {BITS}")
+        for name in ("key_energy", "value_energy"):
+            value = getattr(self, name)
+            _require(value is None or _fraction(value), name, value, "None or a float in (0, 1]")
+        _require(_int(self.observation_window, 1), "observation_window", self.observation_window, "an int >= 1")
+        _require(isinstance(self.score_margin, (int, float)) and self.score_margin > 0,
+                 "score_margin", self.score_margin, "a number > 0")
+        _require(self.target_ratio is None or (isinstance(self.target_ratio, (int, float)) and self.target_ratio >= 1),
+                 "target_ratio", self.target_ratio, "None or a number >= 1 (times smaller than fp16)")
+        _require(self.layer_budget_bytes is None or _int(self.layer_budget_bytes, 1),
+                 "layer_budget_bytes", self.layer_budget_bytes, "None or an int >= 1")
+        _require(self.over_budget in OVER_BUDGET, "over_budget", self.over_budget, f"one of {OVER_BUDGET}")
+        _require(self.max_pages is None or _int(self.max_pages, 1), "max_pages", self.max_pages, "None or an int >= 1")
+        _require(_int(self.prefill_chunk_size, 1), "prefill_chunk_size", self.prefill_chunk_size, "an int >= 1")
+        if self.policy == "full":
+            _require(self.target_ratio is None and self.layer_budget_bytes is None, "target_ratio",
+                     self.target_ratio, "None with policy 'full' (it keeps every token exactly; use Config.lossless())")
 
     @classmethod
     def lossless(cls, **overrides) -> "Config":
         """Every token kept exactly: results equal the uncompressed model's."""
-        return cls(policy="full", **overrides)
+        return cls(**{"policy": "full", "target_ratio": None, **overrides})
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)

@@ -1,8 +1,10 @@
-"""The paged KV history of one attention layer, for every sequence of a session.
+"""The paged, phased KV history of one attention layer, for every sequence of a session.
 
-Each sequence owns a block table (page ids into the layer's PagePool, an int32 tensor) and a
-token count. Sequences only ever read pages through their own block table, so one sequence can
-never see another's tokens.
+Each sequence is a list of pages of `page_size` tokens. A page is exact in the layer's PagePool
+while it is Initial or Terminal (and Recent/Mid when the policy leaves them exact); when the
+lifecycle (runtime/phases.py) moves it to Recent or Mid it is re-encoded once (runtime/codecs.py)
+and its pool slot is released for reuse. A sequence only reads its own pages, through its own
+block table (int32 pool slots of its exact pages), so sequences never see each other's tokens.
 """
 
 from __future__ import annotations
@@ -11,28 +13,69 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtopo.config import Config
+
+from .codecs import MidCodec, MidPage, RecentPage, encode_recent, fit_bases
 from .page_pool import PagePool
+from .phases import Phase, PhasePlan
+from .policies import Policy, ScoreInputs
+
+
+class BudgetExceeded(RuntimeError):
+    """The byte budget cannot be met even by evicting a whole Mid page (over_budget="raise")."""
 
 
 @dataclass
-class SequencePages:
-    pages: list[int] = field(default_factory=list)
-    block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
+class Page:
+    phase: Phase
+    tokens: int = 0
+    slot: int | None = None  # exact pool slot, while the page is stored exactly
+    recent: RecentPage | None = None
+    mid: MidPage | None = None
+    mass: torch.Tensor | None = None  # [Hkv, tokens] accumulated attention mass (policies that track it)
+
+
+@dataclass
+class SequenceKV:
+    pages: list[Page] = field(default_factory=list)
     length: int = 0
+    block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
+    observation: torch.Tensor | None = None  # the latest queries [Hq, W, d]
+    codec: MidCodec | None = None
+    budget_missed: bool = False
+
+
+@dataclass
+class Segments:
+    """One sequence's history, grouped by how it is stored, ready for attention."""
+
+    exact: tuple[torch.Tensor, torch.Tensor] | None
+    recent: tuple[torch.Tensor, torch.Tensor] | None
+    mid: tuple | None  # (LowRankHeads, LowRankHeads) if projected, else dense (keys, values)
+    mid_projected: bool
+
+    @property
+    def only_exact(self) -> bool:
+        return self.recent is None and self.mid is None
 
 
 class LayerCache:
-    def __init__(self, page_size: int, max_pages: int | None):
-        self.page_size = page_size
-        self.max_pages = max_pages
+    def __init__(self, config: Config, policy: Policy):
+        self.config = config
+        self.policy = policy
+        self.plan = PhasePlan(config.page_size, config.sink_tokens, config.recent_tokens, config.protected_spans)
+        self.mid_encoding = policy.mid_encoding()
+        self.recent_bits = policy.recent_bits()
         self.pool: PagePool | None = None
-        self.sequences: dict[int, SequencePages] = {}
+        self.sequences: dict[int, SequenceKV] = {}
+        self.scale: float | None = None
 
+    # -- writing -------------------------------------------------------------------------------
     def _pool_for(self, key: torch.Tensor, value: torch.Tensor) -> PagePool:
         if self.pool is None:
             self.pool = PagePool(
-                kv_heads=key.shape[0], page_size=self.page_size, key_dim=key.shape[-1],
-                value_dim=value.shape[-1], dtype=key.dtype, device=key.device, max_pages=self.max_pages,
+                kv_heads=key.shape[0], page_size=self.config.page_size, key_dim=key.shape[-1],
+                value_dim=value.shape[-1], dtype=key.dtype, device=key.device, max_pages=self.config.max_pages,
             )
         pool = self.pool
         expected = (pool.keys.shape[1], pool.keys.shape[-1], pool.values.shape[-1], pool.keys.dtype)
@@ -47,48 +90,189 @@ class LayerCache:
         entry = self.sequences.get(seq)
         return entry.length if entry else 0
 
+    def observe(self, seq: int, queries: torch.Tensor) -> None:
+        """Remember the latest `observation_window` queries [Hq, T, d]: eviction scores use them."""
+        entry = self.sequences.setdefault(seq, SequenceKV())
+        window = self.config.observation_window
+        # float16 is plenty for ranking tokens, and halves what the window costs to hold.
+        recent = queries[:, -window:].detach().to(torch.float16)
+        if entry.observation is not None:
+            recent = torch.cat([entry.observation, recent], dim=1)[:, -window:]
+        entry.observation = recent.clone()
+
     def append(self, seq: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Append key [Hkv, n, dk] / value [Hkv, n, dv] to sequence `seq`."""
+        """Append key [Hkv, n, dk] / value [Hkv, n, dv] to `seq`, then move pages through phases."""
         n = key.shape[1]
         if n == 0:
             return
         pool = self._pool_for(key, value)
-        entry = self.sequences.setdefault(seq, SequencePages())
-        P = self.page_size
+        entry = self.sequences.setdefault(seq, SequenceKV())
+        P = self.config.page_size
+        if entry.codec is None and self._reaches_mid(entry.length + n):
+            entry.codec = self._make_codec(entry, key, value)
         written = 0
         while written < n:
-            offset = entry.length % P
-            if offset == 0:
-                entry.pages.append(pool.allocate())
-                entry.block_table = torch.tensor(entry.pages, dtype=torch.int32)
+            if not entry.pages or entry.pages[-1].tokens == P:
+                # Settle as each page opens, so a long chunk never holds more exact pages than
+                # the lifecycle allows: the pool stays at Initial + Recent + Terminal pages.
+                entry.pages.append(Page(Phase.TERMINAL, slot=pool.allocate()))
+                self._settle(entry, max(0, len(entry.pages) - 2 - self.plan.recent_pages))
             page = entry.pages[-1]
-            take = min(P - offset, n - written)
-            pool.keys[page, :, offset : offset + take] = key[:, written : written + take]
-            pool.values[page, :, offset : offset + take] = value[:, written : written + take]
+            take = min(P - page.tokens, n - written)
+            pool.keys[page.slot, :, page.tokens: page.tokens + take] = key[:, written: written + take]
+            pool.values[page.slot, :, page.tokens: page.tokens + take] = value[:, written: written + take]
+            page.tokens += take
             entry.length += take
             written += take
 
-    def history(self, seq: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """All stored k [Hkv, L, dk] and v [Hkv, L, dv] of `seq`, or None if it holds nothing."""
+    def _refresh_block_table(self, entry: SequenceKV) -> None:
+        entry.block_table = torch.tensor([p.slot for p in entry.pages if p.slot is not None], dtype=torch.int32)
+
+    def _settle(self, entry: SequenceKV, start: int) -> None:
+        """Give pages `start..` the phase the lifecycle says, re-encoding those that move."""
+        count = len(entry.pages)
+        for index in range(start, count):
+            target = self.plan.phase(index, count)
+            if entry.pages[index].phase != target:
+                self._transition(entry, index, target)
+        self._refresh_block_table(entry)
+
+    def _transition(self, entry: SequenceKV, index: int, target: Phase) -> None:
+        page = entry.pages[index]
+        allowed = {Phase.TERMINAL: (Phase.INITIAL, Phase.RECENT, Phase.MID), Phase.RECENT: (Phase.MID,)}
+        if target not in allowed.get(page.phase, ()):
+            raise RuntimeError(f"illegal page transition {page.phase.value} -> {target.value} (page {index})")
+        if target is Phase.INITIAL or (target is Phase.RECENT and self.recent_bits is None):
+            page.phase = target
+            return
+        keys, values = self._page_kv(page)
+        if target is Phase.RECENT:
+            page.recent = encode_recent(keys, values, self.recent_bits)
+        else:
+            if self.mid_encoding.identity:
+                page.phase = target
+                return
+            keys, values = self._evict(entry, page, keys, values)
+            page.mid, page.recent, page.mass = entry.codec.encode(keys, values), None, None
+        page.phase = target
+        if page.slot is not None:
+            self.pool.release(page.slot)
+            page.slot = None
+
+    def page_keys(self, page: Page) -> torch.Tensor:
+        return self._page_kv(page)[0]
+
+    def _page_kv(self, page: Page) -> tuple[torch.Tensor, torch.Tensor]:
+        if page.slot is not None:
+            return (self.pool.keys[page.slot, :, : page.tokens].clone(),
+                    self.pool.values[page.slot, :, : page.tokens].clone())
+        return page.recent.decode()
+
+    def _reaches_mid(self, length: int) -> bool:
+        pages = -(-length // self.config.page_size)
+        return any(self.plan.phase(i, pages) is Phase.MID for i in range(pages))
+
+    def _make_codec(self, entry: SequenceKV, new_keys: torch.Tensor, new_values: torch.Tensor) -> MidCodec:
+        """Bases are fitted once per sequence and layer, on everything it holds plus the chunk
+        being appended when its first page is about to reach Mid (so on the whole first
+        prefill chunk, not just the first few pages)."""
+        key_bases = value_bases = None
+        if self.mid_encoding.project:
+            held = [self._page_kv(p) for p in entry.pages] + [(new_keys, new_values)]
+            key_bases = fit_bases(torch.cat([k for k, _ in held], dim=1), self.config.key_energy)
+            value_bases = fit_bases(torch.cat([v for _, v in held], dim=1), self.config.value_energy)
+        return MidCodec(self.mid_encoding, key_bases, value_bases, self.pool.keys.dtype)
+
+    # -- budget and eviction -------------------------------------------------------------------
+    def _budget(self, entry: SequenceKV) -> float | None:
+        limits = []
+        if self.config.target_ratio is not None:
+            heads, kd, vd = self.pool.keys.shape[1], self.pool.keys.shape[-1], self.pool.values.shape[-1]
+            limits.append(entry.length * heads * (kd + vd) * 2 / self.config.target_ratio)
+        if self.config.layer_budget_bytes is not None:
+            limits.append(self.config.layer_budget_bytes)
+        return min(limits) if limits else None
+
+    def _evict(self, entry: SequenceKV, page: Page, keys: torch.Tensor, values: torch.Tensor):
+        if not self.mid_encoding.evict:
+            return keys, values
+        budget = self._budget(entry)
+        tokens = keys.shape[1]
+        if budget is None:
+            return keys, values
+        room = budget - (self.sequence_nbytes(entry) - self._page_nbytes(page))
+        shape = (keys.shape[0], keys.shape[-1], values.shape[-1])
+        keep = tokens
+        while keep > 0 and entry.codec.page_nbytes(keep, *shape) > room:
+            keep -= 1
+        if keep == 0 and room < 0:
+            if self.config.over_budget == "raise":
+                raise BudgetExceeded(
+                    f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {entry.length} tokens: "
+                    f"the exact/Recent pages and metadata already hold {budget - room:.0f} bytes; "
+                    "lower sink_tokens/recent_tokens, or allow over_budget='evict'"
+                )
+            entry.budget_missed = True
+        if keep == tokens:
+            return keys, values
+        scores = self.policy.score(ScoreInputs(keys, values, entry.observation, self.scale, page.mass))
+        kept = scores.topk(keep, dim=-1).indices.sort(dim=-1).values  # [Hkv, keep]
+        return (keys.gather(1, kept[..., None].expand(-1, -1, keys.shape[-1])),
+                values.gather(1, kept[..., None].expand(-1, -1, values.shape[-1])))
+
+    # -- reading -------------------------------------------------------------------------------
+    def segments(self, seq: int) -> Segments | None:
         entry = self.sequences.get(seq)
         if entry is None or entry.length == 0:
             return None
-        pool = self.pool
-        idx = entry.block_table.long()
-        keys = pool.keys[idx].transpose(0, 1).flatten(1, 2)[:, : entry.length]
-        values = pool.values[idx].transpose(0, 1).flatten(1, 2)[:, : entry.length]
-        return keys, values
+        exact_pages = [p for p in entry.pages if p.slot is not None]
+        exact = None
+        if exact_pages:
+            idx = entry.block_table.long()
+            total = sum(p.tokens for p in exact_pages)
+            exact = (self.pool.keys[idx].transpose(0, 1).flatten(1, 2)[:, :total],
+                     self.pool.values[idx].transpose(0, 1).flatten(1, 2)[:, :total])
+        recent_pages = [p.recent.decode() for p in entry.pages if p.recent is not None]
+        recent = None
+        if recent_pages:
+            recent = (torch.cat([k for k, _ in recent_pages], 1), torch.cat([v for _, v in recent_pages], 1))
+        mid = entry.codec.segment([p.mid for p in entry.pages if p.mid is not None]) if entry.codec else None
+        return Segments(exact, recent, mid, self.mid_encoding.project)
+
+    def unsettled_pages(self, seq: int) -> list[Page]:
+        """Pages that may still be evicted later (Terminal/Recent), for attention-mass tracking."""
+        entry = self.sequences.get(seq)
+        return [p for p in entry.pages if p.phase in (Phase.TERMINAL, Phase.RECENT)] if entry else []
 
     def release(self, seq: int) -> None:
         entry = self.sequences.pop(seq, None)
         if entry is not None and self.pool is not None:
             for page in entry.pages:
-                self.pool.release(page)
+                if page.slot is not None:
+                    self.pool.release(page.slot)
+
+    # -- accounting ----------------------------------------------------------------------------
+    def _page_nbytes(self, page: Page) -> int:
+        if page.slot is not None:
+            return self.pool.page_nbytes
+        return (page.recent.nbytes if page.recent else 0) + (page.mid.nbytes if page.mid else 0)
+
+    def _metadata_nbytes(self, entry: SequenceKV) -> int:
+        mass = sum(p.mass.nbytes for p in entry.pages if p.mass is not None)
+        observation = entry.observation.nbytes if entry.observation is not None else 0
+        codec = entry.codec.nbytes if entry.codec else 0
+        return entry.block_table.nbytes + observation + codec + mass
+
+    def sequence_nbytes(self, entry: SequenceKV) -> int:
+        return sum(self._page_nbytes(p) for p in entry.pages) + self._metadata_nbytes(entry)
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held, split into live exact pages, free pool slots and block tables."""
-        if self.pool is None:
-            return {"exact": 0, "free": 0, "metadata": 0}
-        live = self.pool.live_pages * self.pool.page_nbytes
-        tables = sum(e.block_table.nbytes for e in self.sequences.values())
-        return {"exact": live, "free": self.pool.nbytes - live, "metadata": tables}
+        """Bytes held per phase, plus free pool slots and metadata (tables, bases, queries)."""
+        kinds = {phase.value: 0 for phase in Phase} | {"free": 0, "metadata": 0}
+        for entry in self.sequences.values():
+            for page in entry.pages:
+                kinds[page.phase.value] += self._page_nbytes(page)
+            kinds["metadata"] += self._metadata_nbytes(entry)
+        if self.pool is not None:
+            kinds["free"] = self.pool.nbytes - self.pool.live_pages * self.pool.page_nbytes
+        return kinds

@@ -25,7 +25,7 @@ class PagePool:
         dtype: torch.dtype,
         device: torch.device,
         max_pages: int | None = None,
-        grow_by: int = 16,
+        grow_by: int = 4,
     ):
         self.page_size = page_size
         self.max_pages = max_pages

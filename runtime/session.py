@@ -14,21 +14,26 @@ from dataclasses import dataclass
 import torch
 
 from kvtopo.config import Config
+from kvtopo.kernels.compressed_attention import merge_partials, partial_dense, partial_lowrank
 from kvtopo.kernels.reference import chunk_causal_mask, grouped_attention
 
 from . import context
-from .layer_cache import LayerCache
+from .layer_cache import LayerCache, Segments
+from .policies import make_policy
 
 
 @dataclass(frozen=True)
 class CacheStats:
-    """Bytes held by the session's KV tensors (pool slots, encoded pages, block tables)."""
+    """Bytes held by the session's KV tensors: pool slots (live and free), encoded pages and
+    metadata (block tables, bases, observation queries). `per_kind` splits them by page phase
+    (initial/mid/recent/terminal) plus "free" pool slots and "metadata"."""
 
     total_bytes: int
     per_layer: dict[str, int]
     per_kind: dict[str, int]
     tokens: tuple[int, ...]
     fp16_bytes: int
+    budget_missed: bool = False
 
     @property
     def ratio_vs_fp16(self) -> float:
@@ -39,6 +44,7 @@ class CacheStats:
 class Session:
     def __init__(self, config: Config | None = None):
         self.config = config if config is not None else Config()
+        self.policy = make_policy(self.config)
         self.layers: dict[str, LayerCache] = {}
         self._layer_shapes: dict[str, tuple[int, int, int]] = {}
         self._batch: int | None = None
@@ -97,7 +103,8 @@ class Session:
         _check_pure_mask(layer, attn_mask)
         cache = self.layers.get(layer)
         if cache is None:
-            cache = self.layers[layer] = LayerCache(self.config.page_size, self.config.max_pages)
+            cache = self.layers[layer] = LayerCache(self.config, self.policy)
+        cache.scale = scale
         self.calls += 1
 
         out = query.new_zeros(*query.shape[:-1], value.shape[-1])
@@ -114,21 +121,28 @@ class Session:
         return out
 
     def _attend_one(self, cache: LayerCache, seq: int, q, k, v, scale: float) -> torch.Tensor:
-        history = cache.history(seq)
-        if history is None:
-            keys, values, past = k, v, 0
+        """Attend q [Hq, T, d] over [stored history ; new chunk], then store the chunk."""
+        segments = cache.segments(seq)
+        causal = chunk_causal_mask(0, q.shape[1], device=q.device)
+        tracks_mass = self.policy.tracks_attention_mass
+        if segments is None or (segments.only_exact and not tracks_mass):
+            past = segments.exact if segments is not None else None
+            keys = k if past is None else torch.cat([past[0], k], dim=1)
+            values = v if past is None else torch.cat([past[1], v], dim=1)
+            mask = chunk_causal_mask(keys.shape[1] - k.shape[1], q.shape[1], device=q.device)
+            out = grouped_attention(q[None], keys[None], values[None], mask, scale)[0]
         else:
-            keys = torch.cat([history[0], k], dim=1)
-            values = torch.cat([history[1], v], dim=1)
-            past = history[0].shape[1]
-        mask = chunk_causal_mask(past, q.shape[1], device=q.device)
-        out = grouped_attention(q[None], keys[None], values[None], mask, scale)[0]
+            parts = _history_partials(q, segments, scale) + [partial_dense(q, k, v, scale, causal)]
+            out = merge_partials(parts).to(q.dtype)
+            if tracks_mass:
+                _accumulate_mass(cache, seq, q, parts, scale)
+        cache.observe(seq, q)
         cache.append(seq, k, v)
         return out
 
     # -- accounting ------------------------------------------------------------------------------
     def stats(self) -> CacheStats:
-        per_layer, per_kind, fp16 = {}, {}, 0
+        per_layer, per_kind, fp16, missed = {}, {}, 0, False
         tokens: list[int] = []
         for name, cache in self.layers.items():
             kinds = cache.nbytes()
@@ -138,10 +152,39 @@ class Session:
             if cache.pool is not None:
                 heads, kd, vd = cache.pool.keys.shape[1], cache.pool.keys.shape[-1], cache.pool.values.shape[-1]
                 fp16 += sum(e.length for e in cache.sequences.values()) * heads * (kd + vd) * 2
+            missed |= any(e.budget_missed for e in cache.sequences.values())
         if self.layers:
             first = next(iter(self.layers.values()))
             tokens = [first.length(s) for s in range(self._batch or 0)]
-        return CacheStats(sum(per_layer.values()), per_layer, per_kind, tuple(tokens), fp16)
+        return CacheStats(sum(per_layer.values()), per_layer, per_kind, tuple(tokens), fp16, missed)
+
+
+def _history_partials(q, segments: Segments, scale: float) -> list:
+    parts = []
+    if segments.exact is not None:
+        parts.append(partial_dense(q, *segments.exact, scale))
+    if segments.recent is not None:
+        parts.append(partial_dense(q, *segments.recent, scale))
+    if segments.mid is not None:
+        attend = partial_lowrank if segments.mid_projected else partial_dense
+        parts.append(attend(q, *segments.mid, scale))
+    return parts
+
+
+def _accumulate_mass(cache: LayerCache, seq: int, q, parts, scale: float) -> None:
+    """Add the softmax mass this step's queries gave each not-yet-Mid token (H2O-style)."""
+    lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)  # [Hq, T]
+    for page in cache.unsettled_pages(seq):
+        keys = cache.page_keys(page)
+        heads = keys.shape[0]
+        logits = scale * (q.float().reshape(heads, -1, keys.shape[-1]) @ keys.float().transpose(1, 2))
+        mass = torch.exp(logits - lse.reshape(heads, -1, 1)).sum(1)  # [Hkv, n]
+        if page.mass is None or page.mass.shape[1] < mass.shape[1]:
+            grown = mass.new_zeros(mass.shape)
+            if page.mass is not None:
+                grown[:, : page.mass.shape[1]] = page.mass
+            page.mass = grown
+        page.mass[:, : mass.shape[1]] += mass
 
 
 def _check_pure_mask(layer: str, attn_mask: torch.Tensor | None) -> None:

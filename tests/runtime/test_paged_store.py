@@ -3,8 +3,19 @@
 import pytest
 import torch
 
-from kvtopo.runtime.layer_cache import LayerCache
+import kvtopo
+from kvtopo.runtime.layer_cache import LayerCache as _LayerCache
 from kvtopo.runtime.page_pool import PagePool, PoolExhausted
+from kvtopo.runtime.policies import make_policy
+
+
+def LayerCache(page_size, max_pages):
+    config = kvtopo.Config.lossless(page_size=page_size, max_pages=max_pages)
+    return _LayerCache(config, make_policy(config))
+
+
+def history(cache, seq):
+    return cache.segments(seq).exact
 
 
 def _kv(n, heads=2, dim=4, seed=0):
@@ -19,9 +30,10 @@ def test_history_returns_exactly_what_was_appended(page_size):
     k2, v2 = _kv(9, seed=2)
     cache.append(0, k1, v1)
     cache.append(0, k2, v2)
-    keys, values = cache.history(0)
+    keys, values = history(cache, 0)
     assert torch.equal(keys, torch.cat([k1, k2], 1)) and torch.equal(values, torch.cat([v1, v2], 1))
     assert len(cache.sequences[0].pages) == -(-14 // page_size)
+    assert len(cache.sequences[0].block_table) == len(cache.sequences[0].pages)
     assert cache.sequences[0].block_table.dtype == torch.int32
 
 
@@ -32,10 +44,10 @@ def test_sequences_never_see_each_others_pages():
             k, v = _kv(3, seed=10 * seq + step)
             cache.append(seq, k + 100 * seq, v + 100 * seq)
     for seq in range(3):
-        keys, _ = cache.history(seq)
+        keys, _ = history(cache, seq)
         expected = torch.cat([_kv(3, seed=10 * seq + s)[0] + 100 * seq for s in range(3)], 1)
         assert torch.equal(keys, expected)
-    pages = [set(cache.sequences[s].pages) for s in range(3)]
+    pages = [set(cache.sequences[s].block_table.tolist()) for s in range(3)]
     assert not (pages[0] & pages[1] or pages[1] & pages[2] or pages[0] & pages[2])
 
 
@@ -55,7 +67,7 @@ def test_full_pool_raises_and_never_overwrites_live_pages():
     cache.append(0, k, v)
     with pytest.raises(PoolExhausted, match="max_pages=3"):
         cache.append(1, *_kv(1, seed=4))
-    keys, values = cache.history(0)
+    keys, values = history(cache, 0)
     assert torch.equal(keys, k) and torch.equal(values, v)
 
 
@@ -76,8 +88,10 @@ def test_mismatched_kv_shapes_are_refused():
 
 def test_nbytes_are_the_held_tensors():
     cache = LayerCache(4, None)
+    cache.observe(0, torch.randn(4, 3, 4))
     cache.append(0, *_kv(6))
     kinds = cache.nbytes()
-    assert kinds["exact"] + kinds["free"] == cache.pool.keys.nbytes + cache.pool.values.nbytes
-    assert kinds["metadata"] == cache.sequences[0].block_table.nbytes
-    assert kinds["exact"] == 2 * 2 * 2 * 4 * 4 * 4  # 2 live pages x (k, v) x heads x page x dim x fp32 bytes
+    live = kinds["initial"] + kinds["terminal"]
+    assert live + kinds["free"] == cache.pool.keys.nbytes + cache.pool.values.nbytes
+    assert kinds["metadata"] == cache.sequences[0].block_table.nbytes + cache.sequences[0].observation.nbytes
+    assert live == 2 * 2 * 2 * 4 * 4 * 4  # 2 live pages x (k, v) x heads x page x dim x fp32 bytes

@@ -1,0 +1,70 @@
+"""What a compression policy decides: how Recent and Mid pages are encoded, and which Mid tokens
+survive eviction. The store (runtime/layer_cache.py) applies it; one small class per method."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from kvtopo.config import Config
+
+
+@dataclass(frozen=True)
+class MidEncoding:
+    """How a page is stored once it reaches the Mid phase.
+
+    evict: tokens may be dropped by score to meet the budget.
+    project: keys/values are stored as coefficients on the head's principal directions.
+    key_bits / value_bits: low-bit codes (2/4/8) of what is stored; None keeps floats
+    (the cache dtype, or float16 for projected coefficients).
+    """
+
+    evict: bool = False
+    project: bool = False
+    key_bits: int | None = None
+    value_bits: int | None = None
+
+    @property
+    def identity(self) -> bool:
+        """Mid pages stored exactly as they were: they can stay in the exact page pool."""
+        return not (self.evict or self.project or self.key_bits or self.value_bits)
+
+
+@dataclass(frozen=True)
+class ScoreInputs:
+    """What a policy may look at when ranking one page's tokens for eviction.
+
+    keys/values: the page's tokens [Hkv, n, d]; queries: the latest observation-window queries
+    [Hq, W, d] of this sequence and layer; scale: the attention's softmax scale;
+    attention_mass: accumulated softmax mass each token received while it was Terminal/Recent
+    [Hkv, n] (only tracked for policies that ask for it).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor | None
+    scale: float
+    attention_mass: torch.Tensor | None = None
+
+
+class Policy:
+    """Base: keep everything, encode nothing. Subclasses override what they change."""
+
+    name: ClassVar[str]
+    tracks_attention_mass: ClassVar[bool] = False
+
+    def __init__(self, config: "Config"):
+        self.config = config
+
+    def recent_bits(self) -> int | None:
+        return None
+
+    def mid_encoding(self) -> MidEncoding:
+        return MidEncoding()
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        """Importance [Hkv, n] of a page's tokens; the highest are kept. Only called when evicting."""
+        raise NotImplementedError(f"policy {self.name!r} does not evict")

@@ -1,0 +1,7 @@
+"""Full cache: every token kept exactly (the lossless reference)."""
+
+from .base import Policy
+
+
+class Full(Policy):
+    name = "full"
