@@ -42,7 +42,6 @@ class SequenceKV:
     block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
     observation: torch.Tensor | None = None  # the latest queries [Hq, W, d]
     codec: MidCodec | None = None
-    budget_missed: bool = False
 
 
 @dataclass
@@ -205,14 +204,12 @@ class LayerCache:
         keep = tokens
         while keep > 0 and entry.codec.page_nbytes(keep, *shape) > room:
             keep -= 1
-        if keep == 0 and room < 0:
-            if self.config.over_budget == "raise":
-                raise BudgetExceeded(
-                    f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {entry.length} tokens: "
-                    f"the exact/Recent pages and metadata already hold {budget - room:.0f} bytes; "
-                    "lower sink_tokens/recent_tokens, or allow over_budget='evict'"
-                )
-            entry.budget_missed = True
+        if keep == 0 and room < 0 and self.config.over_budget == "raise":
+            raise BudgetExceeded(
+                f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {entry.length} tokens: "
+                f"the exact/Recent pages and metadata already hold {budget - room:.0f} bytes; "
+                "lower sink_tokens/recent_tokens, or allow over_budget='evict'"
+            )
         if keep == tokens:
             return keys, values
         scores = self.policy.score(ScoreInputs(keys, values, entry.observation, self.scale, page.mass))
@@ -262,6 +259,13 @@ class LayerCache:
         observation = entry.observation.nbytes if entry.observation is not None else 0
         codec = entry.codec.nbytes if entry.codec else 0
         return entry.block_table.nbytes + observation + codec + mass
+
+    def over_budget(self, seq: int) -> bool:
+        """Whether `seq` holds more than its budget now (possible when the exact pages and
+        metadata alone exceed it, e.g. at short contexts)."""
+        entry = self.sequences.get(seq)
+        budget = self._budget(entry) if entry and self.pool is not None else None
+        return budget is not None and self.sequence_nbytes(entry) > budget
 
     def sequence_nbytes(self, entry: SequenceKV) -> int:
         return sum(self._page_nbytes(p) for p in entry.pages) + self._metadata_nbytes(entry)

@@ -33,7 +33,7 @@ class CacheStats:
     per_kind: dict[str, int]
     tokens: tuple[int, ...]
     fp16_bytes: int
-    budget_missed: bool = False
+    budget_missed: bool = False  # some sequence-layer holds more than its budget right now
 
     @property
     def ratio_vs_fp16(self) -> float:
@@ -152,7 +152,7 @@ class Session:
             if cache.pool is not None:
                 heads, kd, vd = cache.pool.keys.shape[1], cache.pool.keys.shape[-1], cache.pool.values.shape[-1]
                 fp16 += sum(e.length for e in cache.sequences.values()) * heads * (kd + vd) * 2
-            missed |= any(e.budget_missed for e in cache.sequences.values())
+            missed |= any(cache.over_budget(seq) for seq in cache.sequences)
         if self.layers:
             first = next(iter(self.layers.values()))
             tokens = [first.length(s) for s in range(self._batch or 0)]

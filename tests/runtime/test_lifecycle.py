@@ -1,0 +1,211 @@
+"""The four-phase lifecycle, Mid/Recent codecs in the store, budgets and honest byte accounting."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvtopo
+from kvtopo.runtime.layer_cache import BudgetExceeded, LayerCache
+from kvtopo.runtime.phases import Phase, PhasePlan
+from kvtopo.runtime.policies import make_policy
+
+
+def _cache(**fields) -> LayerCache:
+    config = kvtopo.Config(**fields)
+    return LayerCache(config, make_policy(config))
+
+
+def _structured_kv(n, heads=2, dim=16, seed=0, dtype=torch.float32):
+    """Keys/values with a decaying spectrum (what projection is for) plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    spectrum = torch.logspace(0, -2, dim)
+    basis = torch.linalg.qr(torch.randn(dim, dim, generator=g))[0]
+    k = (torch.randn(heads, n, dim, generator=g) * spectrum) @ basis.T
+    v = (torch.randn(heads, n, dim, generator=g) * spectrum) @ basis
+    return k.to(dtype), v.to(dtype)
+
+
+def _expected_phase(index: int, pages: int, plan: PhasePlan) -> Phase:
+    """The lifecycle rule, written out independently of PhasePlan.phase."""
+    if index == pages - 1:
+        return Phase.TERMINAL
+    first, last = index * plan.page_size, (index + 1) * plan.page_size
+    if first < plan.sink_tokens or any(s < last and first < e for s, e in plan.protected_spans):
+        return Phase.INITIAL
+    recent = math.ceil(plan.recent_tokens / plan.page_size)
+    return Phase.RECENT if pages - 1 - index <= recent else Phase.MID
+
+
+@settings(max_examples=40, deadline=None)
+@given(page=st.integers(1, 9), sinks=st.integers(0, 20), recent=st.integers(0, 25),
+       chunks=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+       span=st.one_of(st.none(), st.tuples(st.integers(0, 60), st.integers(1, 30))))
+def test_pages_reach_each_phase_at_exactly_the_right_token(page, sinks, recent, chunks, span):
+    spans = () if span is None else ((span[0], span[0] + span[1]),)
+    cache = _cache(page_size=page, sink_tokens=sinks, recent_tokens=recent, protected_spans=spans,
+                   target_ratio=None, mid_bits=8, key_energy=None, value_energy=None, recent_bits=8)
+    k, v = _structured_kv(sum(chunks), heads=1, dim=4)
+    written = 0
+    for n in chunks:
+        cache.observe(0, torch.randn(2, n, 4))
+        cache.append(0, k[:, written:written + n], v[:, written:written + n])
+        written += n
+        pages = cache.sequences[0].pages
+        assert len(pages) == math.ceil(written / page)
+        assert [p.phase for p in pages] == [_expected_phase(i, len(pages), cache.plan) for i in range(len(pages))]
+        for p in pages:  # each phase is stored where it should be
+            assert (p.slot is not None) == (p.phase in (Phase.INITIAL, Phase.TERMINAL))
+            assert (p.recent is not None) == (p.phase is Phase.RECENT)
+            assert (p.mid is not None) == (p.phase is Phase.MID)
+    assert cache.length(0) == written
+
+
+def test_every_phase_exact_is_identical_to_lossless():
+    from kvtopo.models import zoo
+
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(3))
+    exact_topo = kvtopo.Config(page_size=8, sink_tokens=8, recent_tokens=16, recent_bits=None, mid_bits=None,
+                               key_energy=None, value_energy=None, target_ratio=None, prefill_chunk_size=40)
+    with kvtopo.session(exact_topo) as s:
+        tokens, logits = kvtopo.generate(model, ids, 20, return_logits=True)
+        assert s.stats().per_kind["mid"] > 0  # pages really went through the Mid phase
+    lossless_tokens, lossless_logits = kvtopo.generate(
+        model, ids, 20, config=kvtopo.Config.lossless(page_size=8, prefill_chunk_size=40), return_logits=True)
+    assert torch.equal(tokens, lossless_tokens)
+    assert torch.equal(logits, lossless_logits)
+
+
+def test_compressed_segments_attend_like_their_decompressed_kv():
+    """Attention in a session with Recent/Mid pages equals exact attention over the K/V the
+    store would decompress to (same codes), within float32 rounding."""
+    from kvtopo.kernels.compressed_attention import LowRankHeads
+
+    cache_cfg = dict(page_size=8, sink_tokens=8, recent_tokens=16, target_ratio=None, key_energy=0.95,
+                     value_energy=0.95, mid_bits=4, recent_bits=8)
+    k, v = _structured_kv(100, heads=2, dim=16)
+    q = torch.randn(1, 4, 1, 16)
+    with kvtopo.session(kvtopo.Config(**cache_cfg)) as s:
+        s.attend("l", q.expand(1, 4, 100, 16).contiguous(), k[None], v[None], None, 0.25)
+        cache = s.layers["l"]
+        seg = cache.segments(0)
+        parts_k, parts_v = [seg.exact[0]], [seg.exact[1]]
+        parts_k.append(seg.recent[0])
+        parts_v.append(seg.recent[1])
+        mk, mv = seg.mid
+        assert isinstance(mk, LowRankHeads)
+        parts_k.append(mk.coefficients @ mk.vectors.transpose(1, 2) + mk.mean[:, None])
+        parts_v.append(mv.coefficients @ mv.vectors.transpose(1, 2) + mv.mean[:, None])
+        new_k, new_v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+        out = s.attend("l", q, new_k, new_v, None, 0.25)
+    keys = torch.cat(parts_k + [new_k[0]], 1).double().repeat_interleave(2, 0)
+    values = torch.cat(parts_v + [new_v[0]], 1).double().repeat_interleave(2, 0)
+    expected = torch.softmax(q[0].double() @ keys.transpose(1, 2) * 0.25, -1) @ values
+    torch.testing.assert_close(out[0].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def _held_tensor_bytes(cache: LayerCache) -> int:
+    """Walk every tensor the store holds, independently of LayerCache.nbytes."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.nbytes
+        elif hasattr(t, "__dataclass_fields__"):
+            for name in t.__dataclass_fields__:
+                add(getattr(t, name))
+        elif isinstance(t, (list, tuple)):
+            for x in t:
+                add(x)
+
+    add(cache.pool.keys), add(cache.pool.values)
+    for entry in cache.sequences.values():
+        add(entry.block_table), add(entry.observation), add(entry.pages)
+        if entry.codec:
+            add(entry.codec.key_bases), add(entry.codec.value_bases)
+    return total
+
+
+@pytest.mark.parametrize("policy_fields", [
+    dict(target_ratio=2.0),
+    dict(target_ratio=None, key_energy=None, value_energy=None, mid_bits=2),
+    dict(target_ratio=None),
+])
+def test_stats_bytes_are_the_held_tensors(policy_fields):
+    k, v = _structured_kv(300, heads=2, dim=32, dtype=torch.float16)
+    q = torch.randn(1, 4, 300, 32, dtype=torch.float16)
+    with kvtopo.session(kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, **policy_fields)) as s:
+        for start in range(0, 300, 64):
+            s.attend("l", q[:, :, start:start + 64], k[None, :, start:start + 64], v[None, :, start:start + 64], None, 0.2)
+        stats = s.stats()
+        assert stats.total_bytes == _held_tensor_bytes(s.layers["l"])
+        assert stats.total_bytes == sum(stats.per_kind.values())
+        assert stats.per_kind["mid"] > 0
+
+
+def test_compression_really_frees_pool_pages():
+    """Pages leaving the exact pool are reused: the pool stays at Initial + Recent + Terminal."""
+    k, v = _structured_kv(2000, heads=2, dim=32, dtype=torch.float16)
+    q = torch.randn(1, 4, 2000, 32, dtype=torch.float16)
+    sizes = {}
+    for name, config in {"lossless": kvtopo.Config.lossless(page_size=16),
+                         "topo": kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32)}.items():
+        with kvtopo.session(config) as s:
+            for start in range(0, 2000, 256):
+                s.attend("l", q[:, :, start:start + 256], k[None, :, start:start + 256],
+                         v[None, :, start:start + 256], None, 0.2)
+            sizes[name] = (s.layers["l"].pool.capacity, s.stats())
+    assert 125 <= sizes["lossless"][0] <= 125 * 1.25 + 4  # every page exact, plus at most one growth step
+    assert sizes["topo"][0] <= 1 + 2 + 1 + 4  # initial + recent + terminal, plus one growth step
+    assert sizes["topo"][1].total_bytes * 6 < sizes["lossless"][1].total_bytes
+    assert sizes["topo"][1].ratio_vs_fp16 >= 6.7  # default topo on fp16 K/V meets its 8x budget
+    assert not sizes["topo"][1].budget_missed
+
+
+def test_unmeetable_budget_raises_when_asked():
+    k, v = _structured_kv(200, heads=2, dim=16)
+    config = kvtopo.Config(page_size=8, sink_tokens=64, recent_tokens=64, layer_budget_bytes=2000, over_budget="raise")
+    with kvtopo.session(config) as s:
+        with pytest.raises(BudgetExceeded, match="cannot be met"):
+            s.attend("l", torch.randn(1, 4, 200, 16), k[None], v[None], None, 0.25)
+
+
+def test_unmeetable_budget_evicts_and_reports_the_miss():
+    k, v = _structured_kv(200, heads=2, dim=16)
+    config = kvtopo.Config(page_size=8, sink_tokens=64, recent_tokens=64, layer_budget_bytes=2000)
+    with kvtopo.session(config) as s:
+        s.attend("l", torch.randn(1, 4, 200, 16), k[None], v[None], None, 0.25)
+        stats = s.stats()
+    assert stats.budget_missed and stats.per_kind["mid"] == 0
+
+
+def test_protected_span_is_never_evicted():
+    k, v = _structured_kv(256, heads=2, dim=16)
+    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=16, protected_spans=((100, 140),), target_ratio=12)
+    with kvtopo.session(config) as s:
+        s.attend("l", torch.randn(1, 4, 256, 16), k[None], v[None], None, 0.25)
+        pages = s.layers["l"].sequences[0].pages
+    protected = [i for i, p in enumerate(pages) if p.phase is Phase.INITIAL]
+    assert protected == [0, 6, 7, 8]
+    for i in (6, 7, 8):
+        assert torch.equal(s.layers["l"].pool.keys[pages[i].slot], k[:, 16 * i:16 * (i + 1)])
+
+
+def test_batched_sequences_stay_isolated_under_compression():
+    k, v = _structured_kv(300, heads=2, dim=16, seed=1)
+    q = torch.randn(1, 4, 300, 16)
+    config = kvtopo.Config(page_size=8, sink_tokens=8, recent_tokens=16, target_ratio=6)
+    with kvtopo.session(config) as s:
+        s.attend("l", q, k[None], v[None], None, 0.25)
+        alone = s.attend("l", q[:, :, :1], k[None, :, :1], v[None, :, :1], None, 0.25)
+    other_k, other_v = _structured_kv(300, heads=2, dim=16, seed=9)
+    with kvtopo.session(config) as s:
+        s.attend("l", torch.cat([q, q * 3]), torch.stack([k, other_k * 5]), torch.stack([v, other_v * 5]), None, 0.25)
+        batched = s.attend("l", torch.cat([q[:, :, :1], q[:, :, :1]]), torch.stack([k[:, :1], other_k[:, :1]]),
+                           torch.stack([v[:, :1], other_v[:, :1]]), None, 0.25)
+    torch.testing.assert_close(batched[0], alone[0], atol=0, rtol=0)
