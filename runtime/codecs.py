@@ -1,12 +1,13 @@
 """How pages are encoded once they leave the exact pool: Recent (int8) and Mid pages.
 
 Recent: keys quantized per channel, values per token (`recent_bits`, int8 by default).
-Mid (per `MidEncoding`): the tokens kept by eviction (per kv-head, the same count per head),
-optionally projected onto the head's principal directions (`HeadBases`, fitted once per
-sequence and layer), optionally quantized. Projected coefficients of all heads sit side by
-side in one [n, sum of ranks] matrix, so only each head's true rank is stored; they are
-quantized with one scale per direction for keys and values alike. Unprojected tokens are
-quantized KIVI-style: keys per channel, values per token and head.
+Mid (per `MidEncoding`, `MidSegment`): the tokens kept by eviction (per kv-head, the same
+count per head), optionally projected onto the head's principal directions (`HeadBases`,
+fitted once per sequence and layer), optionally quantized, appended page by page to
+contiguous buffers. Projected coefficients of all heads sit side by side in one
+[n, sum of ranks] matrix, so only each head's true rank is stored; they are quantized with one
+scale per direction (per page) for keys and values alike. Unprojected tokens are quantized
+KIVI-style: keys per channel (per page), values per token and head.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class HeadBases:
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x [Hkv, n, d] -> coefficients [n, sum of ranks] (true ranks only)."""
         padded = (x.float() - self.mean[:, None]) @ self.vectors  # [Hkv, n, R]
-        return padded.transpose(0, 1).reshape(x.shape[1], -1)[:, self.columns]
+        return padded.transpose(0, 1).reshape(x.shape[1], padded.shape[0] * padded.shape[2])[:, self.columns]
 
     def expand(self, flat: torch.Tensor) -> LowRankHeads:
         """Coefficients [n, sum of ranks] -> LowRankHeads for compressed-domain attention."""
@@ -88,30 +89,70 @@ def fit_bases(x: torch.Tensor, energy: float) -> HeadBases:
     return HeadBases(vectors, torch.stack([b.mean for b in bases]), tuple(b.rank for b in bases))
 
 
-# -- Mid pages ------------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class MidPage:
-    """One Mid page's surviving tokens: floats or Quantized, projected or [n, Hkv, d]."""
+# -- Mid segment ---------------------------------------------------------------------------------
+class CodedRows:
+    """One side (keys or values) of a sequence-layer's Mid segment, stored contiguously.
 
-    keys: torch.Tensor | Quantized
-    values: torch.Tensor | Quantized
-    tokens: int
+    Rows are the surviving tokens in page order; each page's rows are appended once, when the
+    page enters Mid. Rows are floats, or uint8 codes packed along the last dim with statistics
+    either per page (reduced over the page's rows: one scale per direction/channel) or per row.
+    Contiguous buffers (not per-page pieces) are what attention kernels read in one pass.
+    """
+
+    def __init__(self, bits: int | None, per_row_stats: bool, float_dtype: torch.dtype):
+        self.bits, self.per_row_stats, self.float_dtype = bits, per_row_stats, float_dtype
+        self.rows: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.offset: torch.Tensor | None = None
+        self.page_rows = torch.empty(0, dtype=torch.int32)  # rows contributed by each page
+        self.length = 0  # last-dim length before packing
+
+    @property
+    def count(self) -> int:
+        return 0 if self.rows is None else self.rows.shape[0]
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return sum(_nbytes(t) for t in (self.rows, self.scale, self.offset)) + self.page_rows.nbytes
+
+    def append(self, x: torch.Tensor) -> None:
+        """Append one page's rows x [n, ...] (n may be 0: the page was evicted entirely)."""
+        self.page_rows = torch.cat([self.page_rows, torch.tensor([x.shape[0]], dtype=torch.int32)])
+        if x.shape[0] == 0:
+            return
+        self.length = x.shape[-1]
+        if not self.bits:
+            self.rows = _grow(self.rows, x.to(self.float_dtype))
+            return
+        q = quantize(x, self.bits, reduce_dim=-1 if self.per_row_stats else 0)
+        self.rows = _grow(self.rows, q.codes)
+        self.scale = _grow(self.scale, q.scale)
+        self.offset = _grow(self.offset, q.offset)
+
+    def decode(self) -> torch.Tensor:
+        """All rows as float32 [N, ...]."""
+        if not self.bits:
+            return self.rows.float()
+        scale, offset = self.scale, self.offset
+        if not self.per_row_stats:  # one statistics row per page that kept any rows
+            repeats = self.page_rows[self.page_rows > 0].long()
+            scale = scale.repeat_interleave(repeats, dim=0)
+            offset = offset.repeat_interleave(repeats, dim=0)
+        return dequantize(Quantized(self.rows, scale, offset, self.bits, self.length))
 
 
-def _store(x: torch.Tensor, bits: int | None, reduce_dim: int, float_dtype: torch.dtype):
-    return quantize(x, bits, reduce_dim) if bits else x.to(float_dtype)
+def _grow(buffer: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """Append rows; a float16 buffer widens to float32 if a page's statistics needed it."""
+    if buffer is None:
+        return rows.clone()
+    if buffer.dtype != rows.dtype:
+        wide = torch.promote_types(buffer.dtype, rows.dtype)
+        buffer, rows = buffer.to(wide), rows.to(wide)
+    return torch.cat([buffer, rows])
 
 
-def _load(x) -> torch.Tensor:
-    return dequantize(x) if isinstance(x, Quantized) else x.float()
-
-
-class MidCodec:
-    """Encodes/decodes Mid pages of one sequence and layer under one MidEncoding."""
+class MidSegment:
+    """The Mid tokens of one sequence and layer under one MidEncoding, plus the head bases."""
 
     def __init__(self, encoding: MidEncoding, key_bases: HeadBases | None, value_bases: HeadBases | None,
                  dtype: torch.dtype):
@@ -121,52 +162,57 @@ class MidCodec:
         self.key_bases, self.value_bases = key_bases, value_bases
         # Projected coefficients are new numbers, not cache entries: float16 is their float form.
         self.float_dtype = torch.float16 if encoding.project else dtype
+        # Projected: one scale per direction for both sides. Unprojected (KIVI): keys per
+        # channel, values per token and head.
+        self.keys = CodedRows(encoding.key_bits, False, self.float_dtype)
+        self.values = CodedRows(encoding.value_bits, not encoding.project, self.float_dtype)
+
+    @property
+    def tokens(self) -> int:
+        return self.keys.count
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.key_bases) + _nbytes(self.value_bases)
+        return self.keys.nbytes + self.values.nbytes + _nbytes(self.key_bases) + _nbytes(self.value_bases)
 
-    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> MidPage:
-        """keys [Hkv, n, dk], values [Hkv, n, dv] of the surviving tokens -> MidPage."""
-        e = self.encoding
-        n = keys.shape[1]
-        if e.project:
-            k = _store(self.key_bases.project(keys), e.key_bits, 0, self.float_dtype) if n else keys.new_empty(0)
-            v = _store(self.value_bases.project(values), e.value_bits, 0, self.float_dtype) if n else values.new_empty(0)
+    def append_page(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Encode one page's surviving tokens, keys [Hkv, n, dk] and values [Hkv, n, dv]."""
+        if self.encoding.project:
+            self.keys.append(self.key_bases.project(keys))
+            self.values.append(self.value_bases.project(values))
         else:
-            k = _store(keys.transpose(0, 1), e.key_bits, 0, self.float_dtype) if n else keys.new_empty(0)
-            v = _store(values.transpose(0, 1), e.value_bits, -1, self.float_dtype) if n else values.new_empty(0)
-        return MidPage(k, v, n)
+            self.keys.append(keys.transpose(0, 1))
+            self.values.append(values.transpose(0, 1))
 
-    def segment(self, pages: list[MidPage]):
-        """All Mid pages of a sequence, ready to attend to: (LowRankHeads, LowRankHeads) when
-        projected, else dense (keys [Hkv, N, dk], values [Hkv, N, dv]). None when empty."""
-        pages = [p for p in pages if p.tokens]
-        if not pages:
+    def attention_inputs(self):
+        """(LowRankHeads, LowRankHeads) when projected, else dense (keys [Hkv, N, dk], values
+        [Hkv, N, dv]); None while empty. Coefficients are dequantized, never expanded to K/V."""
+        if self.tokens == 0:
             return None
-        keys = torch.cat([_load(p.keys) for p in pages])
-        values = torch.cat([_load(p.values) for p in pages])
+        keys, values = self.keys.decode(), self.values.decode()
         if self.encoding.project:
             return self.key_bases.expand(keys), self.value_bases.expand(values)
         return keys.transpose(0, 1), values.transpose(0, 1)
 
     def page_nbytes(self, tokens: int, kv_heads: int, key_dim: int, value_dim: int) -> int:
-        """Bytes `encode` will hold for `tokens` survivors, for budgeting before encoding.
+        """Bytes `append_page` adds for `tokens` survivors, for budgeting before encoding.
 
         Assumes float16 statistics (what `quantize` stores unless a slice needs float32).
         """
+        page_rows = self.keys.page_rows.element_size() * 2
         if tokens == 0:
-            return 0
+            return page_rows
         e = self.encoding
         if e.project:
-            return (_coded_nbytes((tokens, sum(self.key_bases.ranks)), 0, e.key_bits, self.float_dtype)
-                    + _coded_nbytes((tokens, sum(self.value_bases.ranks)), 0, e.value_bits, self.float_dtype))
-        return (_coded_nbytes((tokens, kv_heads, key_dim), 0, e.key_bits, self.float_dtype)
-                + _coded_nbytes((tokens, kv_heads, value_dim), -1, e.value_bits, self.float_dtype))
+            return page_rows + (_coded_nbytes((tokens, sum(self.key_bases.ranks)), 0, e.key_bits, self.float_dtype)
+                                + _coded_nbytes((tokens, sum(self.value_bases.ranks)), 0, e.value_bits,
+                                                self.float_dtype))
+        return page_rows + (_coded_nbytes((tokens, kv_heads, key_dim), 0, e.key_bits, self.float_dtype)
+                            + _coded_nbytes((tokens, kv_heads, value_dim), -1, e.value_bits, self.float_dtype))
 
 
 def _coded_nbytes(shape: tuple[int, ...], reduce_dim: int, bits: int | None, float_dtype: torch.dtype) -> int:
-    """Bytes of `_store` of a tensor of `shape`: floats, or packed codes + float16 scale/offset."""
+    """Bytes of a tensor of `shape` as floats, or as packed codes + float16 scale/offset."""
     elements = math.prod(shape)
     if not bits:
         return elements * torch.finfo(float_dtype).bits // 8

@@ -15,7 +15,7 @@ import torch
 
 from kvtopo.config import Config
 
-from .codecs import MidCodec, MidPage, RecentPage, encode_recent, fit_bases
+from .codecs import MidSegment, RecentPage, encode_recent, fit_bases
 from .page_pool import PagePool
 from .phases import Phase, PhasePlan
 from .policies import Policy, ScoreInputs
@@ -31,7 +31,7 @@ class Page:
     tokens: int = 0
     slot: int | None = None  # exact pool slot, while the page is stored exactly
     recent: RecentPage | None = None
-    mid: MidPage | None = None
+    kept: int | None = None  # tokens this page contributed to the Mid segment
     mass: torch.Tensor | None = None  # [Hkv, tokens] accumulated attention mass (policies that track it)
 
 
@@ -41,7 +41,7 @@ class SequenceKV:
     length: int = 0
     block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
     observation: torch.Tensor | None = None  # the latest queries [Hq, W, d]
-    codec: MidCodec | None = None
+    mid: MidSegment | None = None
 
 
 @dataclass
@@ -107,8 +107,8 @@ class LayerCache:
         pool = self._pool_for(key, value)
         entry = self.sequences.setdefault(seq, SequenceKV())
         P = self.config.page_size
-        if entry.codec is None and self._reaches_mid(entry.length + n):
-            entry.codec = self._make_codec(entry, key, value)
+        if entry.mid is None and self._reaches_mid(entry.length + n):
+            entry.mid = self._make_mid_segment(entry, key, value)
         written = 0
         while written < n:
             if not entry.pages or entry.pages[-1].tokens == P:
@@ -152,7 +152,8 @@ class LayerCache:
                 page.phase = target
                 return
             keys, values = self._evict(entry, page, keys, values)
-            page.mid, page.recent, page.mass = entry.codec.encode(keys, values), None, None
+            entry.mid.append_page(keys, values)
+            page.kept, page.recent, page.mass = keys.shape[1], None, None
         page.phase = target
         if page.slot is not None:
             self.pool.release(page.slot)
@@ -171,7 +172,7 @@ class LayerCache:
         pages = -(-length // self.config.page_size)
         return any(self.plan.phase(i, pages) is Phase.MID for i in range(pages))
 
-    def _make_codec(self, entry: SequenceKV, new_keys: torch.Tensor, new_values: torch.Tensor) -> MidCodec:
+    def _make_mid_segment(self, entry: SequenceKV, new_keys: torch.Tensor, new_values: torch.Tensor) -> MidSegment:
         """Bases are fitted once per sequence and layer, on everything it holds plus the chunk
         being appended when its first page is about to reach Mid (so on the whole first
         prefill chunk, not just the first few pages)."""
@@ -180,7 +181,7 @@ class LayerCache:
             held = [self._page_kv(p) for p in entry.pages] + [(new_keys, new_values)]
             key_bases = fit_bases(torch.cat([k for k, _ in held], dim=1), self.config.key_energy)
             value_bases = fit_bases(torch.cat([v for _, v in held], dim=1), self.config.value_energy)
-        return MidCodec(self.mid_encoding, key_bases, value_bases, self.pool.keys.dtype)
+        return MidSegment(self.mid_encoding, key_bases, value_bases, self.pool.keys.dtype)
 
     # -- budget and eviction -------------------------------------------------------------------
     def _budget(self, entry: SequenceKV) -> float | None:
@@ -202,7 +203,7 @@ class LayerCache:
         room = budget - (self.sequence_nbytes(entry) - self._page_nbytes(page))
         shape = (keys.shape[0], keys.shape[-1], values.shape[-1])
         keep = tokens
-        while keep > 0 and entry.codec.page_nbytes(keep, *shape) > room:
+        while keep > 0 and entry.mid.page_nbytes(keep, *shape) > room:
             keep -= 1
         if keep == 0 and room < 0 and self.config.over_budget == "raise":
             raise BudgetExceeded(
@@ -233,7 +234,7 @@ class LayerCache:
         recent = None
         if recent_pages:
             recent = (torch.cat([k for k, _ in recent_pages], 1), torch.cat([v for _, v in recent_pages], 1))
-        mid = entry.codec.segment([p.mid for p in entry.pages if p.mid is not None]) if entry.codec else None
+        mid = entry.mid.attention_inputs() if entry.mid is not None else None
         return Segments(exact, recent, mid, self.mid_encoding.project)
 
     def unsettled_pages(self, seq: int) -> list[Page]:
@@ -252,13 +253,12 @@ class LayerCache:
     def _page_nbytes(self, page: Page) -> int:
         if page.slot is not None:
             return self.pool.page_nbytes
-        return (page.recent.nbytes if page.recent else 0) + (page.mid.nbytes if page.mid else 0)
+        return page.recent.nbytes if page.recent else 0
 
     def _metadata_nbytes(self, entry: SequenceKV) -> int:
         mass = sum(p.mass.nbytes for p in entry.pages if p.mass is not None)
         observation = entry.observation.nbytes if entry.observation is not None else 0
-        codec = entry.codec.nbytes if entry.codec else 0
-        return entry.block_table.nbytes + observation + codec + mass
+        return entry.block_table.nbytes + observation + mass
 
     def over_budget(self, seq: int) -> bool:
         """Whether `seq` holds more than its budget now (possible when the exact pages and
@@ -268,7 +268,8 @@ class LayerCache:
         return budget is not None and self.sequence_nbytes(entry) > budget
 
     def sequence_nbytes(self, entry: SequenceKV) -> int:
-        return sum(self._page_nbytes(p) for p in entry.pages) + self._metadata_nbytes(entry)
+        mid = entry.mid.nbytes if entry.mid is not None else 0
+        return sum(self._page_nbytes(p) for p in entry.pages) + mid + self._metadata_nbytes(entry)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held per phase, plus free pool slots and metadata (tables, bases, queries)."""
@@ -276,6 +277,10 @@ class LayerCache:
         for entry in self.sequences.values():
             for page in entry.pages:
                 kinds[page.phase.value] += self._page_nbytes(page)
+            if entry.mid is not None:  # coded rows are Mid; the head bases are metadata
+                bases = sum(b.nbytes for b in (entry.mid.key_bases, entry.mid.value_bases) if b is not None)
+                kinds["mid"] += entry.mid.nbytes - bases
+                kinds["metadata"] += bases
             kinds["metadata"] += self._metadata_nbytes(entry)
         if self.pool is not None:
             kinds["free"] = self.pool.nbytes - self.pool.live_pages * self.pool.page_nbytes

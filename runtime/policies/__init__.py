@@ -2,9 +2,15 @@
 
 from .base import MidEncoding, Policy, ScoreInputs
 from .full import Full
+from .h2o import H2O
+from .kivi import KIVI
+from .knorm import KNorm
+from .palu import Palu
+from .snapkv import SnapKV
+from .streaming import Streaming
 from .topo import Topo
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Topo)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Topo, Streaming, SnapKV, H2O, KNorm, KIVI, Palu)}
 
 
 def make_policy(config) -> Policy:

@@ -59,7 +59,7 @@ def test_pages_reach_each_phase_at_exactly_the_right_token(page, sinks, recent, 
         for p in pages:  # each phase is stored where it should be
             assert (p.slot is not None) == (p.phase in (Phase.INITIAL, Phase.TERMINAL))
             assert (p.recent is not None) == (p.phase is Phase.RECENT)
-            assert (p.mid is not None) == (p.phase is Phase.MID)
+            assert (p.kept is not None) == (p.phase is Phase.MID)
     assert cache.length(0) == written
 
 
@@ -126,8 +126,10 @@ def _held_tensor_bytes(cache: LayerCache) -> int:
     add(cache.pool.keys), add(cache.pool.values)
     for entry in cache.sequences.values():
         add(entry.block_table), add(entry.observation), add(entry.pages)
-        if entry.codec:
-            add(entry.codec.key_bases), add(entry.codec.value_bases)
+        if entry.mid is not None:
+            for side in (entry.mid.keys, entry.mid.values):
+                add([side.rows, side.scale, side.offset, side.page_rows])
+            add(entry.mid.key_bases), add(entry.mid.value_bases)
     return total
 
 
@@ -181,7 +183,9 @@ def test_unmeetable_budget_evicts_and_reports_the_miss():
     with kvtopo.session(config) as s:
         s.attend("l", torch.randn(1, 4, 200, 16), k[None], v[None], None, 0.25)
         stats = s.stats()
-    assert stats.budget_missed and stats.per_kind["mid"] == 0
+        mid = s.layers["l"].sequences[0].mid
+    assert stats.budget_missed
+    assert mid.tokens == 0 and mid.keys.page_rows.tolist() == [0] * 8  # every Mid page evicted whole
 
 
 def test_protected_span_is_never_evicted():

@@ -1,0 +1,45 @@
+"""SnapKV-like (Li et al., 2024): keep the Mid tokens the observation window attends to most.
+
+Score: the exact softmax attention mass each token of the page receives from the latest
+`observation_window` queries (`kernels.scoring.softmax_mass`, summed over the window and the
+kv-head's query group), max-pooled over a neighbourhood of `POOL_KERNEL` tokens (SnapKV's
+clustering step: a kept token brings its neighbours, which keeps local context around a hit
+intact). The kernel is clipped to the page. Kept tokens are stored exactly (no projection, no
+bits); Recent is exact. Eviction happens whenever a budget (`target_ratio` /
+`layer_budget_bytes`) is set.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from kvtopo.kernels.scoring import softmax_mass
+
+from .base import MidEncoding, Policy, ScoreInputs
+
+# SnapKV's pooling kernel (its reference code uses 5-7); not a Config field.
+POOL_KERNEL = 7
+
+
+def max_pool_tokens(score: torch.Tensor, kernel: int = POOL_KERNEL) -> torch.Tensor:
+    """Max over a centred window of `kernel` tokens, clipped at the page's ends. [H, n] -> [H, n]."""
+    n = score.shape[-1]
+    kernel = min(kernel, n if n % 2 else n - 1)
+    if kernel <= 1:
+        return score
+    return F.max_pool1d(score[:, None], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0]
+
+
+class SnapKV(Policy):
+    name = "snapkv"
+
+    def recent_bits(self):
+        return None
+
+    def mid_encoding(self) -> MidEncoding:
+        c = self.config
+        return MidEncoding(evict=c.target_ratio is not None or c.layer_budget_bytes is not None)
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        if inputs.queries is None:
+            return inputs.keys.new_zeros(inputs.keys.shape[:2], dtype=torch.float32)
+        return max_pool_tokens(softmax_mass(inputs.queries, inputs.keys, inputs.scale))
