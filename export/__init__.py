@@ -1,0 +1,62 @@
+"""Export of kvtopo-rewritten models for NPU toolchains: ONNX (onnxruntime) and MLIR (torch-mlir).
+
+Two graphs per model (see export/decode_step.py, export/compressor.py, export/layout.py):
+  decode_step  tokens + positions + the compressed cache as explicit tensors -> logits + each
+               layer's new K/V and queries (also runs chunked prefill: the token count is dynamic)
+  compressor   one page's K/V + observation queries + head bases + keep count -> kept tokens,
+               codes, statistics; exponential-free (no Exp/Softmax/Sigmoid/Tanh/Erf)
+`runtime.host_runner.HostRunner` drives the ONNX pair with the same phase scheduler as the
+PyTorch session.
+
+    export_onnx("llama", "out/", config=Config(...))      # decode_step.onnx, compressor.onnx, layout.json
+    export_mlir("llama", "out/", config=Config(...))      # <graph>.<torch|linalg-on-tensors|stablehlo>.mlir
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from kvtopo.config import Config
+
+DEFAULT_MAX_CONTEXT = 4096
+
+
+def _model(model_or_zoo_name) -> nn.Module:
+    if isinstance(model_or_zoo_name, str):
+        from kvtopo.models import zoo
+
+        if model_or_zoo_name not in zoo.ZOO_MODELS:
+            raise ValueError(f"unknown zoo model {model_or_zoo_name!r}; choose one of: {', '.join(zoo.ZOO_MODELS)}")
+        return zoo.build(model_or_zoo_name)
+    if not isinstance(model_or_zoo_name, nn.Module):
+        raise TypeError(f"expected an nn.Module or a zoo model name, got {type(model_or_zoo_name).__name__}")
+    return model_or_zoo_name.eval()
+
+
+def export_onnx(model_or_zoo_name, out_dir, config: Config | None = None,
+                max_context: int = DEFAULT_MAX_CONTEXT) -> dict[str, str]:
+    """Write decode_step.onnx, compressor.onnx and layout.json to `out_dir`; return their paths.
+
+    `max_context` sizes the fixed cache buffers (tokens a sequence may reach). Raises
+    `RefusedAttention` listing the sites kvtopo refused, if any.
+    """
+    from .onnx_export import export_onnx_files
+
+    return export_onnx_files(_model(model_or_zoo_name), out_dir, config or Config(), max_context)
+
+
+def export_mlir(model_or_zoo_name, out_dir, config: Config | None = None, max_context: int = 512,
+                output_types=("torch", "linalg-on-tensors", "stablehlo"), tokens: int = 1) -> dict[str, str]:
+    """Write decode_step.<type>.mlir and compressor.<type>.mlir for each output type.
+
+    MLIR graphs are static: the decode step is exported for `tokens` new tokens (1: a decode
+    step) and `max_context` cache capacity. Raises `MlirLoweringError` naming the op that could
+    not be lowered.
+    """
+    from .mlir_export import export_mlir_files
+
+    return export_mlir_files(_model(model_or_zoo_name), out_dir, config or Config(), max_context,
+                             tuple(output_types), tokens)
+
+
+__all__ = ["DEFAULT_MAX_CONTEXT", "export_mlir", "export_onnx"]

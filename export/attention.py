@@ -1,0 +1,113 @@
+"""Attention of one step's queries over a compressed cache given as explicit tensors.
+
+This is what replaces each `torch.ops.kvtopo.attention` node in the exported decode step. It
+computes what `runtime.session.Session._attend_one` computes, from fixed-capacity buffers:
+one partial per segment (exact pages, Recent int8 pages, Mid coefficient pages, the new chunk
+with its causal mask), each masked to its valid length, merged by one exact log-sum-exp
+(`kernels.compressed_attention.merge_partials`). Mid is attended in the compressed domain: q is
+projected onto the kept key directions, dotted with the dequantized coefficients, and the
+probability-weighted value coefficients are projected back once.
+
+Per layer, the cache tensors (see export/layout.py for capacities; batch 1):
+    exact_k [Hkv, E, dk], exact_v [Hkv, E, dv]                   float32
+    recent_k_codes [Hkv, C, dk/(8/rb)], recent_v_codes [Hkv, C, dv/(8/rb)]   uint8, C = recent pages * P
+    recent_k_scale, recent_k_offset [Hkv, C/P, dk]              per Recent page and channel
+    recent_v_scale, recent_v_offset [Hkv, C]                    per token
+    mid_k_codes [Hkv, M, R/(8/mb)], mid_v_codes [Hkv, M, R/(8/mb)]   uint8, M rows (kept tokens)
+    mid_k_scale, mid_k_offset, mid_v_scale, mid_v_offset [Hkv, Mp, R]  per Mid page and direction
+    mid_row_page [M] int64                                     the Mid page slot of each row
+    key_vectors [Hkv, dk, R], key_mean [Hkv, dk], value_vectors [Hkv, dv, R], value_mean [Hkv, dv]
+and lengths [3] int64: valid tokens in (exact, recent, mid). Rows past a length are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from kvtopo.kernels.compressed_attention import _group, _softmax_lse, merge_partials, partial_dense
+from kvtopo.kernels.reference import chunk_causal_mask
+
+from .compressor import unpack_codes
+
+
+@dataclass
+class LayerCacheTensors:
+    exact_k: Tensor
+    exact_v: Tensor
+    recent_k_codes: Tensor
+    recent_k_scale: Tensor
+    recent_k_offset: Tensor
+    recent_v_codes: Tensor
+    recent_v_scale: Tensor
+    recent_v_offset: Tensor
+    mid_k_codes: Tensor
+    mid_k_scale: Tensor
+    mid_k_offset: Tensor
+    mid_v_codes: Tensor
+    mid_v_scale: Tensor
+    mid_v_offset: Tensor
+    mid_row_page: Tensor
+    key_vectors: Tensor
+    key_mean: Tensor
+    value_vectors: Tensor
+    value_mean: Tensor
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def as_tuple(self) -> tuple[Tensor, ...]:
+        return tuple(getattr(self, n) for n in self.names())
+
+
+def _valid(n: int, length: Tensor, t: int, device) -> Tensor:
+    return (torch.arange(n, device=device) < length)[None, :].expand(t, n)
+
+
+def dequantize_recent(c: LayerCacheTensors, page_size: int, bits: int) -> tuple[Tensor, Tensor]:
+    heads, rows, dk = c.recent_k_codes.shape[0], c.recent_k_codes.shape[1], c.exact_k.shape[-1]
+    dv = c.exact_v.shape[-1]
+    kc = unpack_codes(c.recent_k_codes, bits)[..., :dk].reshape(heads, rows // page_size, page_size, dk)
+    keys = (c.recent_k_offset[:, :, None] + kc * c.recent_k_scale[:, :, None]).reshape(heads, rows, dk)
+    vc = unpack_codes(c.recent_v_codes, bits)[..., :dv]
+    values = c.recent_v_offset[..., None] + vc * c.recent_v_scale[..., None]
+    return keys, values
+
+
+def partial_lowrank_masked(q: Tensor, coeff_k: Tensor, key_vectors: Tensor, key_mean: Tensor, coeff_v: Tensor,
+                           value_vectors: Tensor, value_mean: Tensor, scale: float, valid: Tensor):
+    """`kernels.compressed_attention.partial_lowrank` with a [T, N] visibility mask."""
+    kv_heads, n, _ = coeff_k.shape
+    hq, t, _ = q.shape
+    dv = value_vectors.shape[1]
+    qg = _group(q, kv_heads)
+    projected = qg @ key_vectors
+    shift = qg @ key_mean.unsqueeze(-1)
+    logits = scale * (projected @ coeff_k.transpose(1, 2) + shift)
+    logits = logits.view(kv_heads, -1, t, n).masked_fill(~valid, -float("inf")).view(kv_heads, -1, n)
+    p, lse = _softmax_lse(logits)
+    mixed = p @ coeff_v
+    out = mixed @ value_vectors.transpose(1, 2) + value_mean.unsqueeze(1)
+    return out.reshape(hq, t, dv), lse.reshape(hq, t)
+
+
+def cached_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, c: LayerCacheTensors, lengths: Tensor,
+                     page_size: int, recent_bits: int, mid_bits: int) -> Tensor:
+    """q [1, Hq, T, d], new k/v [1, Hkv, T, d] -> [1, Hq, T, dv] over [cache ; chunk]."""
+    q, k, v = q[0], k[0], v[0]
+    t = q.shape[1]
+    dev = q.device
+    parts = [partial_dense(q, c.exact_k, c.exact_v, scale, _valid(c.exact_k.shape[1], lengths[0], t, dev))]
+    rk, rv = dequantize_recent(c, page_size, recent_bits)
+    parts.append(partial_dense(q, rk, rv, scale, _valid(rk.shape[1], lengths[1], t, dev)))
+    page = c.mid_row_page
+    rk_, rv_ = c.key_vectors.shape[-1], c.value_vectors.shape[-1]
+    ck = c.mid_k_offset[:, page] + unpack_codes(c.mid_k_codes, mid_bits)[..., :rk_] * c.mid_k_scale[:, page]
+    cv = c.mid_v_offset[:, page] + unpack_codes(c.mid_v_codes, mid_bits)[..., :rv_] * c.mid_v_scale[:, page]
+    parts.append(partial_lowrank_masked(q, ck, c.key_vectors, c.key_mean, cv, c.value_vectors, c.value_mean,
+                                        scale, _valid(ck.shape[1], lengths[2], t, dev)))
+    parts.append(partial_dense(q, k, v, scale, chunk_causal_mask(0, t, device=dev)))
+    return merge_partials(parts).to(q.dtype)[None]

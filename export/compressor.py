@@ -1,0 +1,125 @@
+"""The page compressor as one exponential-free graph: score, select, project, quantize.
+
+What `runtime.layer_cache` does to a page entering Mid under the `topo` policy, as a pure
+function of tensors with static shapes (so NPU toolchains get one fixed graph):
+
+1. score every token with `kernels.scoring.expfree_scores` (matmul, max, subtract, relu, sum —
+   no exponential) against the observation-window queries;
+2. keep the `keep` highest per kv-head. Instead of TopK (data-dependent output shape, and an
+   unspecified order among equal scores) each token's rank is counted with comparisons:
+   ``rank_i = #{j: s_j > s_i} + #{j < i: s_j == s_i}``, kept = rank < keep, i.e. ties go to the
+   lower index. The kept tokens are written in ascending index order into the first `keep`
+   of P slots (what ``topk(keep).indices.sort()`` gives when there are no ties at the cut);
+3. project the kept keys/values onto the head's principal directions (`HeadBases` padded to
+   `rank_capacity` zero columns: padded columns give exact zeros and code 0);
+4. quantize each direction over the kept tokens exactly like `kernels.quant.quantize(x, bits,
+   reduce_dim=0)`: min/max statistics rounded to float16 toward -inf/+inf (export/f16.py; the
+   whole page falls back to float32 statistics when float16 would widen a scale by more than
+   `SCALE_TOLERANCE`), round-half-even codes, packed `8 // bits` per byte along the directions
+   of each head, first code in the low bits.
+
+Inputs (P = page size, W = observation window, R = rank capacity, a multiple of 8 // bits):
+    keys [Hkv, P, dk] f32, values [Hkv, P, dv] f32, queries [Hq, W, d] f32 (rows >= num_queries
+    are padding), num_queries int64 [], keep int64 [] (1..P), scale f32 [],
+    key_vectors [Hkv, dk, R] f32, key_mean [Hkv, dk] f32, value_vectors [Hkv, dv, R], value_mean.
+Outputs:
+    kept [Hkv, P] int64 (token index per slot; slots >= keep hold 0), key_codes [Hkv, P, R/(8/bits)]
+    uint8, key_scale / key_offset [Hkv, R] f32 (float16-exact values when key_stats_f16),
+    value_codes, value_scale, value_offset likewise, stats_f16 bool [2] (keys, values).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kvtopo.kernels.quant import SCALE_TOLERANCE
+
+from .f16 import round_toward_f16
+
+
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """Integer-valued float codes [..., R] (R a multiple of 8 // bits) -> uint8 [..., R / (8 // bits)]."""
+    per_byte = 8 // bits
+    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+    weights = torch.tensor([float(1 << (bits * j)) for j in range(per_byte)], device=codes.device)
+    return (grouped * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_codes(packed: Tensor, bits: int) -> Tensor:
+    """uint8 [..., C] -> float codes [..., C * (8 // bits)] (arithmetic only: floor and multiply)."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return packed.float()
+    x = packed.float().unsqueeze(-1)
+    weights = torch.tensor([float(1 << (bits * j)) for j in range(per_byte)], device=packed.device)
+    shifted = torch.floor(x / weights)
+    fields = shifted - torch.floor(shifted / float(1 << bits)) * float(1 << bits)
+    return fields.flatten(-2)
+
+
+def quantize_columns(x: Tensor, valid: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`kernels.quant.quantize(x[:, valid], bits, reduce_dim=rows)` per column of x [H, P, R].
+
+    Returns float codes [H, P, R] (0 on invalid rows), scale and offset [H, R] and whether the
+    statistics are float16.
+    """
+    levels = float((1 << bits) - 1)
+    rows = valid[None, :, None]
+    lo = torch.where(rows, x, torch.full_like(x, float("inf"))).amin(1)
+    hi = torch.where(rows, x, torch.full_like(x, -float("inf"))).amax(1)
+    offset16 = round_toward_f16(lo, -1.0).float()
+    scale16 = round_toward_f16((hi - offset16) / levels, 1.0).float()
+    ideal = (hi - lo) / levels
+    use16 = (scale16 <= ideal * (1 + SCALE_TOLERANCE)).all()
+    offset = torch.where(use16, offset16, lo)
+    scale = torch.where(use16, scale16, ideal)
+    step = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((x - offset[:, None]) / step[:, None])
+    codes = torch.minimum(torch.relu(codes), torch.full_like(codes, levels))  # clamp(0, levels)
+    return torch.where(rows, codes, torch.zeros_like(codes)), scale, offset, use16
+
+
+def expfree_page_scores(keys: Tensor, queries: Tensor, num_queries: Tensor, scale: Tensor, margin: float) -> Tensor:
+    """`kernels.scoring.expfree_scores` with padded query rows (rows >= num_queries count zero)."""
+    kv_heads, _, d = keys.shape
+    hq, w, _ = queries.shape
+    logits = (queries.reshape(kv_heads, hq // kv_heads * w, d) * scale) @ keys.transpose(1, 2)
+    row_valid = (torch.arange(w, device=keys.device) < num_queries).repeat(hq // kv_heads)
+    credit = torch.relu(logits - logits.amax(-1, keepdim=True) + margin)
+    return (credit * row_valid[None, :, None].float()).sum(1)
+
+
+def select_kept(scores: Tensor, keep: Tensor) -> Tensor:
+    """Indices [H, P] of the `keep` best tokens per row in ascending order (ties: lower index),
+    slots >= keep hold 0. Comparisons and sums only (no TopK, static shapes)."""
+    p = scores.shape[-1]
+    idx = torch.arange(p, device=scores.device)
+    other, this = scores[:, None, :], scores[:, :, None]
+    before = (other > this) | ((other == this) & (idx[None, :] < idx[:, None])[None])
+    kept = before.long().sum(-1) < keep  # [H, P]
+    slot = kept.long().cumsum(-1) - 1
+    onehot = kept[:, None, :] & (slot[:, None, :] == idx[None, :, None])  # [H, slot, token]
+    return (onehot.long() * idx).sum(-1)
+
+
+class PageCompressor(nn.Module):
+    """Exponential-free Mid-page encoder (see the module docstring for inputs and outputs)."""
+
+    def __init__(self, bits: int, margin: float):
+        super().__init__()
+        if bits not in (2, 4, 8):
+            raise ValueError(f"mid bits must be 2, 4 or 8, got {bits!r}")
+        self.bits, self.margin = bits, float(margin)
+
+    def forward(self, keys, values, queries, num_queries, keep, scale,
+                key_vectors, key_mean, value_vectors, value_mean):
+        scores = expfree_page_scores(keys, queries, num_queries, scale, self.margin)
+        kept = select_kept(scores, keep)
+        valid = torch.arange(keys.shape[1], device=keys.device) < keep
+        k = keys.gather(1, kept[..., None].expand(-1, -1, keys.shape[-1]))
+        v = values.gather(1, kept[..., None].expand(-1, -1, values.shape[-1]))
+        ck, k_scale, k_offset, k16 = quantize_columns((k - key_mean[:, None]) @ key_vectors, valid, self.bits)
+        cv, v_scale, v_offset, v16 = quantize_columns((v - value_mean[:, None]) @ value_vectors, valid, self.bits)
+        return (kept, pack_codes(ck, self.bits), k_scale, k_offset,
+                pack_codes(cv, self.bits), v_scale, v_offset, torch.stack([k16, v16]))

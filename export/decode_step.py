@@ -1,0 +1,216 @@
+"""The decode step as a module with the compressed cache as explicit tensor inputs.
+
+`capture` traces a model with Dynamo exactly as `kvtopo.generate` calls it
+(`model(input_ids=..., position_ids=..., use_cache=False)`, the token dimension marked dynamic),
+runs kvtopo's passes on the FX graph (`passes.manager.run_passes`, as the `kvtopo` backend does)
+and keeps the rewritten GraphModule. A model with refused attention sites is rejected: a site
+left as plain attention would silently ignore the cache.
+
+`DecodeStep` then points every `torch.ops.kvtopo.attention` node at `export.attention.
+cached_attention` over that layer's cache tensors (so the exported graphs contain only standard
+ops, no kvtopo domain) and returns, besides the logits, each layer's new keys/values and queries
+for the host to append and to keep as the observation window:
+
+    forward(input_ids [1, T], position_ids [1, T], lengths [L, 3], cache: tuple of L * 19 tensors)
+      -> (logits [1, T, V], new_k: L x [Hkv, T, dk], new_v: L x [Hkv, T, dv], queries: L x [Hq, T, d])
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+import kvtopo.kernels.ops  # noqa: F401  (registers torch.ops.kvtopo.attention)
+from kvtopo.config import Config
+from kvtopo.passes.manager import run_passes
+
+from .attention import LayerCacheTensors, cached_attention
+from .layout import CacheLayout
+
+
+class RefusedAttention(ValueError):
+    """The model has attention sites kvtopo could not rewrite; exporting it would be wrong."""
+
+
+class Captured:
+    def __init__(self, gm: fx.GraphModule, example_inputs, sites, report):
+        self.gm, self.example_inputs, self.sites, self.report = gm, example_inputs, sites, report
+
+
+def capture(model: nn.Module, tokens: int = 8) -> Captured:
+    """Dynamo-trace `model` as kvtopo.generate calls it and rewrite its attention sites."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append((gm, list(example_inputs), run_passes(gm)))
+        return gm.forward
+
+    vocab = getattr(getattr(model, "config", None), "vocab_size", 32)
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(tokens)[None]
+    torch._dynamo.mark_dynamic(ids, 1)
+    torch._dynamo.mark_dynamic(pos, 1)
+    torch._dynamo.reset()
+    restore = _static_experts(model)
+    try:
+        # Python floats (scales, eps) stay constants: a symbolic scale is refused by the passes.
+        with torch.no_grad(), torch._dynamo.config.patch(specialize_float=True):
+            torch.compile(model, backend=backend, fullgraph=False)(input_ids=ids, position_ids=pos, use_cache=False)
+    finally:
+        torch._dynamo.reset()
+        restore()
+    refusals = [r for _, _, rep in graphs for r in rep.refusals]
+    if refusals:
+        raise RefusedAttention("cannot export: kvtopo refused these attention site(s):\n  "
+                               + "\n  ".join(r.describe() for r in refusals))
+    if len(graphs) != 1:
+        raise ValueError(f"cannot export: Dynamo split the model into {len(graphs)} graphs (graph breaks); "
+                         "export needs one graph")
+    gm, example_inputs, report = graphs[0]
+    if not report.sites:
+        raise ValueError("cannot export: kvtopo found no attention site in the model")
+    return Captured(gm, example_inputs, report.sites, report)
+
+
+def _static_experts(model: nn.Module):
+    """Switch HF mixture-of-experts layers to the `batched_mm` implementation for the capture.
+
+    The default `grouped_mm` path sorts tokens by expert and runs an opaque
+    `transformers::grouped_mm_fallback` op on data-dependent groups, which has no ONNX/MLIR
+    form; `batched_mm` computes the same expert mixture with static shapes (every routed
+    (token, expert) pair as one batched GEMM). Returns a function restoring the old setting.
+    """
+    configs = {id(m.config): m.config for m in model.modules()
+               if hasattr(getattr(m, "config", None), "_experts_implementation")}
+    old = {k: c._experts_implementation for k, c in configs.items()}
+    for c in configs.values():
+        if c._experts_implementation not in (None, "eager"):
+            c._experts_implementation = "batched_mm"
+
+    def restore():
+        for k, c in configs.items():
+            c._experts_implementation = old[k]
+    return restore
+
+
+# -- the hook that stands in for torch.ops.kvtopo.attention while DecodeStep runs ----------------
+_BINDINGS: list["_Binding"] = []
+
+
+class _Binding:
+    def __init__(self, step: "DecodeStep", lengths, cache):
+        self.step, self.lengths, self.cache = step, lengths, cache
+        self.new_k, self.new_v, self.queries = {}, {}, {}
+
+
+def kvtopo_cached_attention(query, key, value, attn_mask, scale, is_causal, layer):
+    """Replacement target of `kvtopo.attention` nodes inside DecodeStep (the mask is the model's
+    own causal mask for the chunk; the cache's causal structure is rebuilt from lengths)."""
+    b = _BINDINGS[-1]
+    i = b.step.layer_index[layer]
+    lay = b.step.layout
+    b.new_k[i], b.new_v[i], b.queries[i] = key[0], value[0], query[0]
+    return cached_attention(query, key, value, scale, b.cache[i], b.lengths[i], lay.page_size,
+                            lay.recent_code_bits, lay.mid_code_bits)
+
+
+class DecodeStep(nn.Module):
+    def __init__(self, captured: Captured, layout: CacheLayout):
+        super().__init__()
+        gm = captured.gm
+        self.layout = layout
+        self.layer_index = {name: i for i, name in enumerate(layout.layer_names)}
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.kvtopo.attention.default:
+                node.target = kvtopo_cached_attention
+        gm.recompile()
+        self.gm = gm
+        # Placeholders: the token count (SymInt), input_ids, position_ids, or a model constant.
+        self.arg_kinds: list[str | int] = []
+        for i, (node, example) in enumerate(zip([n for n in gm.graph.nodes if n.op == "placeholder"],
+                                                captured.example_inputs)):
+            if isinstance(example, torch.SymInt):
+                self.arg_kinds.append("tokens")
+            elif "input_ids" in node.name:
+                self.arg_kinds.append("input_ids")
+            elif "position_ids" in node.name:
+                self.arg_kinds.append("position_ids")
+            elif isinstance(example, torch.Tensor):
+                self.register_buffer(f"const{i}", example.detach(), persistent=False)
+                self.arg_kinds.append(f"const{i}")
+            else:
+                raise ValueError(f"cannot export: graph input {node.name!r} is a {type(example).__name__}")
+
+    def forward(self, input_ids, position_ids, lengths, cache):
+        per = len(LayerCacheTensors.names())
+        layers = [LayerCacheTensors(*cache[i * per:(i + 1) * per]) for i in range(self.layout.num_layers)]
+        binding = _Binding(self, lengths, layers)
+        args = []
+        for kind in self.arg_kinds:
+            if kind == "tokens":
+                args.append(input_ids.shape[1])
+            elif kind in ("input_ids", "position_ids"):
+                args.append(input_ids if kind == "input_ids" else position_ids)
+            else:
+                args.append(getattr(self, kind))
+        _BINDINGS.append(binding)
+        try:
+            out = self.gm(*args)
+        finally:
+            _BINDINGS.pop()
+        logits = out[0] if isinstance(out, (tuple, list)) else out
+        n = self.layout.num_layers
+        return (logits, tuple(binding.new_k[i] for i in range(n)), tuple(binding.new_v[i] for i in range(n)),
+                tuple(binding.queries[i] for i in range(n)))
+
+
+def layout_for(model: nn.Module, captured: Captured, config: Config, max_context: int) -> CacheLayout:
+    sites = captured.sites
+    s0 = sites[0]
+    for s in sites:
+        if (s.heads, s.kv_heads, s.head_dim, s.value_head_dim) != (s0.heads, s0.kv_heads, s0.head_dim, s0.value_head_dim):
+            raise NotImplementedError("export needs every attention layer to have the same head shapes")
+    return CacheLayout.build(config, max_context, layer_names=[s.layer for s in sites], scales=[s.scale for s in sites],
+                             heads=s0.heads, kv_heads=s0.kv_heads, head_dim=s0.head_dim,
+                             value_head_dim=s0.value_head_dim, vocab_size=model.config.vocab_size)
+
+
+def cache_shapes(layout: CacheLayout) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each per-layer cache tensor (LayerCacheTensors order)."""
+    h, dk, dv, P = layout.kv_heads, layout.head_dim, layout.value_head_dim, layout.page_size
+    rpb, mpb = 8 // layout.recent_code_bits, 8 // layout.mid_code_bits
+    C, M, Mp, R = layout.recent_capacity, layout.mid_capacity, layout.mid_page_capacity, layout.rank_capacity
+    f, u8 = torch.float32, torch.uint8
+    return {
+        "exact_k": ((h, layout.exact_capacity, dk), f), "exact_v": ((h, layout.exact_capacity, dv), f),
+        "recent_k_codes": ((h, C, -(-dk // rpb)), u8), "recent_k_scale": ((h, C // P, dk), f),
+        "recent_k_offset": ((h, C // P, dk), f),
+        "recent_v_codes": ((h, C, -(-dv // rpb)), u8), "recent_v_scale": ((h, C), f), "recent_v_offset": ((h, C), f),
+        "mid_k_codes": ((h, M, R // mpb), u8), "mid_k_scale": ((h, Mp, R), f), "mid_k_offset": ((h, Mp, R), f),
+        "mid_v_codes": ((h, M, R // mpb), u8), "mid_v_scale": ((h, Mp, R), f), "mid_v_offset": ((h, Mp, R), f),
+        "mid_row_page": ((M,), torch.int64),
+        "key_vectors": ((h, dk, R), f), "key_mean": ((h, dk), f),
+        "value_vectors": ((h, dv, R), f), "value_mean": ((h, dv), f),
+    }
+
+
+def empty_cache(layout: CacheLayout) -> list[torch.Tensor]:
+    """Zero-filled cache tensors for every layer, flattened in graph-input order."""
+    shapes = cache_shapes(layout)
+    out = []
+    for _ in range(layout.num_layers):
+        out += [torch.zeros(shape, dtype=dtype) for shape, dtype in shapes.values()]
+    return out
+
+
+def input_names(layout: CacheLayout) -> list[str]:
+    names = ["input_ids", "position_ids", "lengths"]
+    for i in range(layout.num_layers):
+        names += [f"{n}_{i}" for n in LayerCacheTensors.names()]
+    return names
+
+
+def output_names(layout: CacheLayout) -> list[str]:
+    n = layout.num_layers
+    return ["logits"] + [f"new_k_{i}" for i in range(n)] + [f"new_v_{i}" for i in range(n)] + [f"queries_{i}" for i in range(n)]

@@ -1,0 +1,124 @@
+"""The exported cache layout: fixed capacities per phase, derived from a Config and a context limit.
+
+Batch 1. Per layer (names `<tensor>_<layer index>` in the ONNX graph; see export/attention.py):
+  exact     Initial pages (+ Recent pages when Recent is stored exactly) and the Terminal page,
+            in page order: E = P * (most exact pages the PhasePlan ever holds up to max_context)
+  recent    int8 (recent_bits) codes of the Recent pages: C = P * recent pages; key statistics
+            per page and channel, value statistics per token (as `runtime.codecs.encode_recent`)
+  mid       kept tokens of every Mid page, appended in page order: M = max_context rows;
+            per-page, per-direction statistics for Mp = ceil(max_context / P) pages; mid_row_page
+            maps a row to its page slot
+  bases     key/value principal directions padded with zero columns to R = rank_capacity
+            (head_dim rounded up to a multiple of 8 // mid_bits), and their means
+  lengths   [layers, 3] int64: valid tokens in (exact, recent, mid) of each layer
+Rows past a length and padded columns are ignored by the graph (they may hold anything finite).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+from kvtopo.config import Config
+from kvtopo.runtime.phases import Phase, PhasePlan
+from kvtopo.runtime.policies import make_policy
+
+SUPPORTED_POLICIES = ("topo", "full")
+
+
+def plan_of(config: Config) -> PhasePlan:
+    return PhasePlan(config.page_size, config.sink_tokens, config.recent_tokens, config.protected_spans)
+
+
+def check_exportable(config: Config) -> None:
+    """The exported graphs implement the `topo` policy's encodings (and `full`, which has none)."""
+    if config.policy not in SUPPORTED_POLICIES:
+        raise NotImplementedError(f"export supports policies {SUPPORTED_POLICIES}, not {config.policy!r}")
+    enc = make_policy(config).mid_encoding()
+    if not enc.identity and not (enc.project and enc.key_bits and enc.value_bits):
+        raise NotImplementedError(
+            f"export needs Mid pages projected and quantized (key_energy/value_energy and mid_bits set) or left exact; "
+            f"got {enc}")
+    if enc.key_bits != enc.value_bits:
+        raise NotImplementedError("export needs the same bit width for Mid keys and values")
+
+
+@dataclass
+class CacheLayout:
+    num_layers: int
+    layer_names: list[str]
+    scales: list[float]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    value_head_dim: int
+    vocab_size: int
+    page_size: int
+    max_context: int
+    exact_capacity: int
+    recent_pages: int
+    mid_capacity: int
+    mid_page_capacity: int
+    rank_capacity: int
+    recent_bits: int | None
+    mid_bits: int | None
+    observation_window: int
+    score_margin: float
+    config: dict = field(default_factory=dict)
+
+    @property
+    def recent_capacity(self) -> int:
+        return max(1, self.recent_pages) * self.page_size
+
+    @property
+    def recent_code_bits(self) -> int:
+        return self.recent_bits or 8
+
+    @property
+    def mid_code_bits(self) -> int:
+        return self.mid_bits or 4
+
+    @classmethod
+    def build(cls, config: Config, max_context: int, *, layer_names, scales, heads, kv_heads, head_dim,
+              value_head_dim, vocab_size) -> "CacheLayout":
+        check_exportable(config)
+        policy = make_policy(config)
+        recent_bits = policy.recent_bits()
+        enc = policy.mid_encoding()
+        plan = plan_of(config)
+        P = config.page_size
+        pages = math.ceil(max_context / P)
+        exact_phases = {Phase.INITIAL, Phase.TERMINAL} | ({Phase.RECENT} if recent_bits is None else set()) \
+            | ({Phase.MID} if enc.identity else set())
+        most_exact = max(sum(plan.phase(i, n) in exact_phases for i in range(n)) for n in range(1, pages + 1))
+        mid_bits = enc.key_bits if not enc.identity else None
+        per_byte = 8 // (mid_bits or 4)
+        return cls(
+            num_layers=len(layer_names), layer_names=list(layer_names), scales=[float(s) for s in scales],
+            heads=heads, kv_heads=kv_heads, head_dim=head_dim, value_head_dim=value_head_dim, vocab_size=vocab_size,
+            page_size=P, max_context=max_context, exact_capacity=most_exact * P,
+            recent_pages=plan.recent_pages if recent_bits is not None else 0,
+            mid_capacity=max_context, mid_page_capacity=pages,
+            rank_capacity=-(-max(head_dim, value_head_dim) // per_byte) * per_byte,
+            recent_bits=recent_bits, mid_bits=mid_bits, observation_window=config.observation_window,
+            score_margin=float(config.score_margin), config=_config_dict(config),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CacheLayout":
+        return cls(**json.loads(text))
+
+    def config_object(self) -> Config:
+        d = dict(self.config)
+        d["protected_spans"] = tuple(tuple(s) for s in d.get("protected_spans", ()))
+        return Config(**d)
+
+
+def _config_dict(config: Config) -> dict:
+    d = asdict(config)
+    d["protected_spans"] = [list(s) for s in config.protected_spans]
+    return d

@@ -1,0 +1,96 @@
+"""ONNX export of the decode step and the page compressor (`torch.onnx.export(..., dynamo=True)`).
+
+kvtopo's attention op never reaches the exporter: DecodeStep replaces it by
+`export.attention.cached_attention`, plain torch ops that the exporter translates to standard
+ONNX (MatMul, Softmax-free exp/log-sum-exp, Where, Gather...), so the files need no custom domain.
+Both files pass `onnx.checker.check_model(..., full_check=True)` and are written with their
+weights inside (these models are small); `layout.json` next to them says how to feed the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import onnx
+import torch
+
+from .compressor import PageCompressor
+from .decode_step import (DecodeStep, cache_shapes, capture, empty_cache, input_names, layout_for,
+                          output_names)
+
+DECODE_FILE, COMPRESSOR_FILE, LAYOUT_FILE = "decode_step.onnx", "compressor.onnx", "layout.json"
+COMPRESSOR_INPUTS = ["keys", "values", "queries", "num_queries", "keep", "scale",
+                     "key_vectors", "key_mean", "value_vectors", "value_mean"]
+COMPRESSOR_OUTPUTS = ["kept", "key_codes", "key_scale", "key_offset", "value_codes", "value_scale",
+                      "value_offset", "stats_f16"]
+
+
+def decode_step_program(model, config, max_context: int, tokens: int = 8):
+    """(DecodeStep module, example args, torch.export ExportedProgram with a dynamic token count)."""
+    captured = capture(model, tokens)
+    layout = layout_for(model, captured, config, max_context)
+    step = DecodeStep(captured, layout).eval()
+    args = example_decode_args(layout, tokens)
+    auto = torch.export.Dim.AUTO
+    dynamic = ({1: auto}, {1: auto}, None, tuple(None for _ in args[3]))
+    with torch.no_grad():
+        ep = torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
+    return step, args, ep
+
+
+def example_decode_args(layout, tokens: int = 8):
+    ids = torch.randint(0, layout.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(tokens)[None]
+    lengths = torch.zeros(layout.num_layers, 3, dtype=torch.long)
+    return ids, pos, lengths, tuple(empty_cache(layout))
+
+
+def compressor_module(layout) -> PageCompressor:
+    return PageCompressor(layout.mid_code_bits, layout.score_margin).eval()
+
+
+def example_compressor_args(layout, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    h, hq, dk, dv, P, W, R = (layout.kv_heads, layout.heads, layout.head_dim, layout.value_head_dim,
+                              layout.page_size, layout.observation_window, layout.rank_capacity)
+    kv = torch.linalg.qr(torch.randn(h, dk, dk, generator=g))[0][..., :R] if R <= dk else None
+    key_vectors = torch.zeros(h, dk, R)
+    key_vectors[..., : min(R, dk)] = kv if kv is not None else torch.linalg.qr(torch.randn(h, dk, dk, generator=g))[0]
+    value_vectors = torch.zeros(h, dv, R)
+    value_vectors[..., : min(R, dv)] = torch.linalg.qr(torch.randn(h, dv, dv, generator=g))[0][..., : min(R, dv)]
+    return (torch.randn(h, P, dk, generator=g), torch.randn(h, P, dv, generator=g), torch.randn(hq, W, dk, generator=g),
+            torch.tensor(W), torch.tensor(max(1, P // 2)), torch.tensor(layout.scales[0]),
+            key_vectors, torch.randn(h, dk, generator=g) * 0.1, value_vectors, torch.randn(h, dv, generator=g) * 0.1)
+
+
+def compressor_program(layout):
+    module = compressor_module(layout)
+    args = example_compressor_args(layout)
+    with torch.no_grad():
+        ep = torch.export.export(module, args, strict=False)
+    return module, args, ep
+
+
+def _to_onnx(ep, args, path: Path, names_in, names_out) -> onnx.ModelProto:
+    program = torch.onnx.export(ep, args, dynamo=True, input_names=names_in, output_names=names_out,
+                                external_data=False, optimize=True)
+    program.save(str(path))
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def export_onnx_files(model, out_dir, config, max_context: int = 4096) -> dict[str, str]:
+    """Write decode_step.onnx, compressor.onnx and layout.json to out_dir; return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    step, args, ep = decode_step_program(model, config, max_context)
+    layout = step.layout
+    _to_onnx(ep, args, out / DECODE_FILE, input_names(layout), output_names(layout))
+    _, cargs, cep = compressor_program(layout)
+    _to_onnx(cep, cargs, out / COMPRESSOR_FILE, COMPRESSOR_INPUTS, COMPRESSOR_OUTPUTS)
+    (out / LAYOUT_FILE).write_text(layout.to_json())
+    return {"decode_step": str(out / DECODE_FILE), "compressor": str(out / COMPRESSOR_FILE),
+            "layout": str(out / LAYOUT_FILE)}

@@ -1,0 +1,369 @@
+"""Run an exported kvtopo model with onnxruntime: the host side of the two exported graphs.
+
+`export.export_onnx` writes `decode_step.onnx` (tokens + the compressed cache as explicit tensors
+-> logits + each layer's new K/V and queries), `compressor.onnx` (one page's K/V + observation
+queries + head bases -> kept tokens, codes, statistics; exponential-free) and `layout.json`
+(capacities and the kvtopo Config). `HostRunner` keeps the cache on the host and drives both:
+
+* the phase schedule is `runtime.phases.PhasePlan` of the same `Config`, applied exactly as the
+  PyTorch session applies it (pages settle as each new page opens; Terminal -> Initial/Recent/Mid,
+  Recent -> Mid; budget from `target_ratio` / `layer_budget_bytes` counting the same bytes);
+* Recent pages are encoded on the host with `runtime.codecs.encode_recent` (the same int8 code as
+  the session; a per-page min/max, cheap on any host CPU);
+* Mid pages go through the exported compressor graph (score, select, project, quantize);
+* principal directions are fitted on the host with `runtime.codecs.fit_bases` (an SVD: not a
+  graph an NPU toolchain wants), once per layer, on the same tokens and at the same moment as
+  the session (when the first page is about to reach Mid, on everything held plus the chunk).
+
+Batch 1. Differences from the PyTorch session are float rounding only: the graphs compute the
+same functions from the same inputs, but onnxruntime's kernels round differently (~1e-7), so a
+quantization code sitting on a rounding boundary, or two tokens whose scores tie to ~1e-7, can
+land differently. Exact ties at an eviction cut go to the lower token index here; torch.topk
+leaves their order unspecified.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvtopo.config import Config
+from kvtopo.runtime.codecs import HeadBases, MidSegment, RecentPage, encode_recent, fit_bases
+from kvtopo.runtime.layer_cache import BudgetExceeded
+from kvtopo.runtime.phases import Phase, PhasePlan
+from kvtopo.runtime.policies import make_policy
+
+_ALLOWED = {Phase.TERMINAL: (Phase.INITIAL, Phase.RECENT, Phase.MID), Phase.RECENT: (Phase.MID,)}
+
+
+@dataclass
+class _Page:
+    phase: Phase
+    tokens: int = 0
+    keys: torch.Tensor | None = None  # exact storage [Hkv, P, dk] while the page is exact
+    values: torch.Tensor | None = None
+    recent: RecentPage | None = None
+    mid_rows: int | None = None  # kept tokens, once Mid
+
+
+class _Layer:
+    """One layer's cache: pages, observation window, bases, and the Mid buffers fed to the graph."""
+
+    def __init__(self, runner: "HostRunner", index: int):
+        lay = runner.layout
+        self.r, self.index = runner, index
+        self.scale = lay.scales[index]
+        self.pages: list[_Page] = []
+        self.length = 0
+        self.observation: torch.Tensor | None = None
+        self.segment: MidSegment | None = None  # bases + the byte arithmetic of the session's Mid segment
+        self.mid_page_count = 0  # pages that entered Mid (kept or not)
+        self.mid_code_bytes = 0  # packed code bytes of keys + values
+        self.mid_stat_pages = 0  # pages that kept rows (one statistics row each, per side)
+        self.mid_f32 = [False, False]  # a page needed float32 statistics (keys, values)
+        self.block_table_len = 0
+        h, R, M, Mp = lay.kv_heads, lay.rank_capacity, lay.mid_capacity, lay.mid_page_capacity
+        width = R // (8 // lay.mid_code_bits)
+        self.mid = {
+            "mid_k_codes": np.zeros((h, M, width), np.uint8), "mid_k_scale": np.zeros((h, Mp, R), np.float32),
+            "mid_k_offset": np.zeros((h, Mp, R), np.float32),
+            "mid_v_codes": np.zeros((h, M, width), np.uint8), "mid_v_scale": np.zeros((h, Mp, R), np.float32),
+            "mid_v_offset": np.zeros((h, Mp, R), np.float32), "mid_row_page": np.zeros((M,), np.int64),
+        }
+        self.mid_len = 0
+        self.mid_pages = 0
+        self.bases = {"key_vectors": np.zeros((h, lay.head_dim, R), np.float32),
+                      "key_mean": np.zeros((h, lay.head_dim), np.float32),
+                      "value_vectors": np.zeros((h, lay.value_head_dim, R), np.float32),
+                      "value_mean": np.zeros((h, lay.value_head_dim), np.float32)}
+
+    # -- accounting (the bytes the session counts, so budgets evict the same tokens) ----------------
+    @property
+    def exact_page_nbytes(self) -> int:
+        lay = self.r.layout
+        return lay.kv_heads * lay.page_size * (lay.head_dim + lay.value_head_dim) * 4
+
+    def page_nbytes(self, page: _Page) -> int:
+        if page.keys is not None:
+            return self.exact_page_nbytes
+        return page.recent.nbytes if page.recent else 0  # Mid bytes live in the segment
+
+    def mid_nbytes(self) -> int:
+        """What the session's `MidSegment.nbytes` holds: codes, per-page statistics (float16, or
+        float32 for the whole side once one page needed it), per-page row counts, head bases."""
+        seg = self.segment
+        if seg is None:
+            return 0
+        bases = sum(b.nbytes for b in (seg.key_bases, seg.value_bases) if b is not None)
+        stats = 0
+        if seg.key_bases is not None:
+            for side, bases_ in enumerate((seg.key_bases, seg.value_bases)):
+                stats += self.mid_stat_pages * 2 * sum(bases_.ranks) * (4 if self.mid_f32[side] else 2)
+        return bases + self.mid_code_bytes + stats + 2 * 4 * self.mid_page_count
+
+    def nbytes(self) -> int:
+        metadata = 4 * self.block_table_len + (self.observation.nbytes if self.observation is not None else 0)
+        return sum(self.page_nbytes(p) for p in self.pages) + self.mid_nbytes() + metadata
+
+    def budget(self) -> float | None:
+        c, lay = self.r.config, self.r.layout
+        limits = []
+        if c.target_ratio is not None:
+            limits.append(self.length * lay.kv_heads * (lay.head_dim + lay.value_head_dim) * 2 / c.target_ratio)
+        if c.layer_budget_bytes is not None:
+            limits.append(c.layer_budget_bytes)
+        return min(limits) if limits else None
+
+    # -- writing ---------------------------------------------------------------------------------------
+    def observe(self, queries: torch.Tensor) -> None:
+        window = self.r.config.observation_window
+        recent = queries[:, -window:].to(torch.float16)
+        if self.observation is not None:
+            recent = torch.cat([self.observation, recent], dim=1)[:, -window:]
+        self.observation = recent.clone()
+
+    def page_kv(self, page: _Page) -> tuple[torch.Tensor, torch.Tensor]:
+        if page.keys is not None:
+            return page.keys[:, : page.tokens].clone(), page.values[:, : page.tokens].clone()
+        return page.recent.decode()
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        n = keys.shape[1]
+        if n == 0:
+            return
+        lay, plan = self.r.layout, self.r.plan
+        P = lay.page_size
+        if self.segment is None and self._reaches_mid(self.length + n):
+            self.segment = self._make_segment(keys, values)
+        written = 0
+        while written < n:
+            if not self.pages or self.pages[-1].tokens == P:
+                self.pages.append(_Page(Phase.TERMINAL, keys=keys.new_zeros(lay.kv_heads, P, lay.head_dim),
+                                        values=values.new_zeros(lay.kv_heads, P, lay.value_head_dim)))
+                self._settle(max(0, len(self.pages) - 2 - plan.recent_pages))
+            page = self.pages[-1]
+            take = min(P - page.tokens, n - written)
+            page.keys[:, page.tokens: page.tokens + take] = keys[:, written: written + take]
+            page.values[:, page.tokens: page.tokens + take] = values[:, written: written + take]
+            page.tokens += take
+            self.length += take
+            written += take
+
+    def _reaches_mid(self, length: int) -> bool:
+        pages = -(-length // self.r.layout.page_size)
+        return any(self.r.plan.phase(i, pages) is Phase.MID for i in range(pages))
+
+    def _make_segment(self, new_keys, new_values) -> MidSegment:
+        enc, c = self.r.mid_encoding, self.r.config
+        key_bases = value_bases = None
+        if enc.project:
+            held = [self.page_kv(p) for p in self.pages] + [(new_keys, new_values)]
+            key_bases = fit_bases(torch.cat([k for k, _ in held], dim=1), c.key_energy)
+            value_bases = fit_bases(torch.cat([v for _, v in held], dim=1), c.value_energy)
+            self._set_bases(key_bases, value_bases)
+        return MidSegment(enc, key_bases, value_bases, torch.float32)
+
+    def _set_bases(self, kb: HeadBases, vb: HeadBases) -> None:
+        R = self.r.layout.rank_capacity
+        if kb.vectors.shape[-1] > R or vb.vectors.shape[-1] > R:
+            raise ValueError(f"rank {kb.vectors.shape[-1]}/{vb.vectors.shape[-1]} exceeds the layout's capacity {R}")
+        self.bases["key_vectors"][:] = 0
+        self.bases["value_vectors"][:] = 0
+        self.bases["key_vectors"][..., : kb.vectors.shape[-1]] = kb.vectors.numpy()
+        self.bases["value_vectors"][..., : vb.vectors.shape[-1]] = vb.vectors.numpy()
+        self.bases["key_mean"][:] = kb.mean.numpy()
+        self.bases["value_mean"][:] = vb.mean.numpy()
+
+    def _settle(self, start: int) -> None:
+        count = len(self.pages)
+        for index in range(start, count):
+            target = self.r.plan.phase(index, count)
+            if self.pages[index].phase != target:
+                self._transition(index, target)
+        self.block_table_len = sum(p.keys is not None for p in self.pages)
+
+    def _transition(self, index: int, target: Phase) -> None:
+        page = self.pages[index]
+        if target not in _ALLOWED.get(page.phase, ()):
+            raise RuntimeError(f"illegal page transition {page.phase.value} -> {target.value} (page {index})")
+        recent_bits = self.r.recent_bits
+        if target is Phase.INITIAL or (target is Phase.RECENT and recent_bits is None) or \
+                (target is Phase.MID and self.r.mid_encoding.identity):
+            page.phase = target
+            return
+        keys, values = self.page_kv(page)
+        if target is Phase.RECENT:
+            page.recent = encode_recent(keys, values, recent_bits)
+        else:
+            self._to_mid(page, keys, values)
+            page.recent = None
+        page.phase = target
+        page.keys = page.values = None
+
+    def _keep(self, page: _Page, tokens: int) -> int:
+        if not self.r.mid_encoding.evict:
+            return tokens
+        budget = self.budget()
+        if budget is None:
+            return tokens
+        lay = self.r.layout
+        room = budget - (self.nbytes() - self.page_nbytes(page))
+        keep = tokens
+        while keep > 0 and self.segment.page_nbytes(keep, lay.kv_heads, lay.head_dim, lay.value_head_dim) > room:
+            keep -= 1
+        if keep == 0 and room < 0 and self.r.config.over_budget == "raise":
+            raise BudgetExceeded(f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {self.length} tokens")
+        return keep
+
+    def _to_mid(self, page: _Page, keys: torch.Tensor, values: torch.Tensor) -> None:
+        lay = self.r.layout
+        tokens = keys.shape[1]
+        keep = self._keep(page, tokens)
+        page.mid_rows = keep
+        self.mid_page_count += 1
+        if keep == 0:
+            return
+        W = lay.observation_window
+        obs = np.zeros((lay.heads, W, lay.head_dim), np.float32)
+        nq = 0
+        if self.observation is not None:
+            nq = self.observation.shape[1]
+            obs[:, :nq] = self.observation.float().numpy()
+        P = lay.page_size
+        k = np.zeros((lay.kv_heads, P, lay.head_dim), np.float32)
+        v = np.zeros((lay.kv_heads, P, lay.value_head_dim), np.float32)
+        k[:, :tokens], v[:, :tokens] = keys.float().numpy(), values.float().numpy()
+        feeds = {"keys": k, "values": v, "queries": obs, "num_queries": np.array(nq, np.int64),
+                 "keep": np.array(keep, np.int64), "scale": np.array(self.scale, np.float32), **self.bases}
+        _, kc, ks, ko, vc, vs, vo, f16 = self.r.compressor.run(None, feeds)
+        rows, slot = slice(self.mid_len, self.mid_len + keep), self.mid_pages
+        if rows.stop > lay.mid_capacity or slot >= lay.mid_page_capacity:
+            raise RuntimeError(f"the exported Mid capacity ({lay.mid_capacity} tokens) is full: export with a larger max_context")
+        m = self.mid
+        m["mid_k_codes"][:, rows], m["mid_v_codes"][:, rows] = kc[:, :keep], vc[:, :keep]
+        m["mid_k_scale"][:, slot], m["mid_k_offset"][:, slot] = ks, ko
+        m["mid_v_scale"][:, slot], m["mid_v_offset"][:, slot] = vs, vo
+        m["mid_row_page"][rows] = slot
+        self.mid_len, self.mid_pages = rows.stop, slot + 1
+        per_byte = 8 // lay.mid_code_bits
+        self.mid_code_bytes += sum(keep * -(-sum(b.ranks) // per_byte)
+                                   for b in (self.segment.key_bases, self.segment.value_bases))
+        self.mid_stat_pages += 1
+        self.mid_f32 = [self.mid_f32[0] or not bool(f16[0]), self.mid_f32[1] or not bool(f16[1])]
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def feeds(self) -> tuple[dict[str, np.ndarray], tuple[int, int, int]]:
+        lay = self.r.layout
+        h, P = lay.kv_heads, lay.page_size
+        ek = np.zeros((h, lay.exact_capacity, lay.head_dim), np.float32)
+        ev = np.zeros((h, lay.exact_capacity, lay.value_head_dim), np.float32)
+        e = 0
+        for p in self.pages:
+            if p.keys is not None and p.tokens:
+                ek[:, e: e + p.tokens] = p.keys[:, : p.tokens].numpy()
+                ev[:, e: e + p.tokens] = p.values[:, : p.tokens].numpy()
+                e += p.tokens
+        C = lay.recent_capacity
+        rpb = 8 // lay.recent_code_bits
+        rk = np.zeros((h, C, -(-lay.head_dim // rpb)), np.uint8)
+        rv = np.zeros((h, C, -(-lay.value_head_dim // rpb)), np.uint8)
+        rks = np.zeros((h, C // P, lay.head_dim), np.float32)
+        rko = np.zeros_like(rks)
+        rvs = np.zeros((h, C), np.float32)
+        rvo = np.zeros_like(rvs)
+        j = 0
+        for p in self.pages:
+            if p.recent is not None:
+                q = p.recent
+                rk[:, j * P:(j + 1) * P] = q.keys.codes.numpy()
+                rks[:, j] = q.keys.scale.float()[:, 0].numpy()
+                rko[:, j] = q.keys.offset.float()[:, 0].numpy()
+                rv[:, j * P:(j + 1) * P] = q.values.codes.numpy()
+                rvs[:, j * P:(j + 1) * P] = q.values.scale.float()[..., 0].numpy()
+                rvo[:, j * P:(j + 1) * P] = q.values.offset.float()[..., 0].numpy()
+                j += 1
+        feeds = {"exact_k": ek, "exact_v": ev, "recent_k_codes": rk, "recent_k_scale": rks, "recent_k_offset": rko,
+                 "recent_v_codes": rv, "recent_v_scale": rvs, "recent_v_offset": rvo, **self.mid, **self.bases}
+        return feeds, (e, j * P, self.mid_len)
+
+
+class HostRunner:
+    """Prefill + decode of an exported model with onnxruntime (see the module docstring)."""
+
+    def __init__(self, export_dir, providers=None, threads: int | None = None):
+        import onnxruntime as ort
+
+        d = Path(export_dir)
+        self.layout = _load_layout(d / "layout.json")
+        self.config: Config = self.layout.config_object()
+        self.plan = PhasePlan(self.config.page_size, self.config.sink_tokens, self.config.recent_tokens,
+                              self.config.protected_spans)
+        policy = make_policy(self.config)
+        self.recent_bits, self.mid_encoding = policy.recent_bits(), policy.mid_encoding()
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        providers = providers or ["CPUExecutionProvider"]
+        self.decode = ort.InferenceSession(str(d / "decode_step.onnx"), opts, providers=providers)
+        self.compressor = ort.InferenceSession(str(d / "compressor.onnx"), opts, providers=providers)
+        self._names = [i.name for i in self.decode.get_inputs()]
+        self.reset()
+
+    def reset(self) -> None:
+        self.layers = [_Layer(self, i) for i in range(self.layout.num_layers)]
+        self.position = 0
+
+    def nbytes(self) -> int:
+        """Bytes of KV state the session would report (pages + metadata), summed over layers."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def forward(self, input_ids: np.ndarray) -> np.ndarray:
+        """Run one chunk [T] (or [1, T]) of token ids; returns logits [T, V] and stores the chunk."""
+        ids = np.asarray(input_ids, np.int64).reshape(1, -1)
+        T = ids.shape[1]
+        pos = np.arange(self.position, self.position + T, dtype=np.int64)[None]
+        feeds = {"input_ids": ids, "position_ids": pos}
+        lengths = np.zeros((self.layout.num_layers, 3), np.int64)
+        for i, layer in enumerate(self.layers):
+            f, lengths[i] = layer.feeds()
+            feeds.update({f"{k}_{i}": v for k, v in f.items()})
+        feeds["lengths"] = lengths
+        out = self.decode.run(None, {n: feeds[n] for n in self._names})
+        L = self.layout.num_layers
+        logits, new_k, new_v, queries = out[0], out[1:1 + L], out[1 + L:1 + 2 * L], out[1 + 2 * L:1 + 3 * L]
+        for i, layer in enumerate(self.layers):
+            layer.observe(torch.from_numpy(queries[i]))
+            layer.append(torch.from_numpy(new_k[i]), torch.from_numpy(new_v[i]))
+        self.position += T
+        return logits[0]
+
+    def generate(self, input_ids, max_new_tokens: int, prefill_chunk_size: int | None = None,
+                 return_logits: bool = False):
+        """Greedy decoding like `kvtopo.generate` (batch 1): -> tokens [prompt + new] (and logits [new, V])."""
+        ids = np.asarray(input_ids, np.int64).reshape(-1)
+        chunk = prefill_chunk_size or self.config.prefill_chunk_size
+        self.reset()
+        for start in range(0, len(ids), chunk):
+            logits = self.forward(ids[start:start + chunk])[-1]
+        tokens, step_logits = [], []
+        for step in range(max_new_tokens):
+            step_logits.append(logits)
+            token = int(np.argmax(logits))
+            tokens.append(token)
+            if step == max_new_tokens - 1:
+                break
+            logits = self.forward(np.array([token]))[-1]
+        out = np.concatenate([ids, np.array(tokens, np.int64)])
+        return (out, np.stack(step_logits)) if return_logits else out
+
+
+def _load_layout(path: Path):
+    try:
+        from kvtopo.export.layout import CacheLayout
+    except ImportError:  # `export/` not yet installed as kvtopo.export
+        from export.layout import CacheLayout
+    return CacheLayout.from_json(path.read_text())
