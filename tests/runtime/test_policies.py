@@ -1,0 +1,459 @@
+"""Baseline policies (StreamingLLM, SnapKV, H2O, KNorm, KIVI, Palu) in the one store/session.
+
+Each is checked for what makes it that method: which tokens it keeps on a constructed case
+whose answer is known, how many bytes a token costs, and that the bytes the session reports are
+the tensors it holds. Everything runs through `kvtopo.session(...).attend`, in prefill chunks
+and single decode steps, as a compiled model would call it.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvtopo
+from kvtopo import Config
+from kvtopo.kernels.scoring import softmax_mass
+from kvtopo.runtime.layer_cache import BudgetExceeded
+from kvtopo.runtime.phases import Phase
+from kvtopo.runtime.policies import POLICIES, ScoreInputs, make_policy
+from kvtopo.runtime.policies.snapkv import max_pool_tokens
+from kvtopo.runtime.policies.streaming import HAS_MAX_TOKENS
+
+BASELINES = ("streaming", "snapkv", "h2o", "knorm", "kivi", "palu")
+EVICTING = ("snapkv", "h2o", "knorm")
+# Until the store caps Mid survivors (MidEncoding.max_tokens), StreamingLLM needs a budget
+# nothing in Mid fits to drop Mid pages whole.
+STREAMING = {} if HAS_MAX_TOKENS else {"layer_budget_bytes": 1}
+
+
+def _kv(n, heads=2, dim=16, seed=0, dtype=torch.float32):
+    """Keys/values with a decaying spectrum, a per-channel offset on keys, and noise."""
+    g = torch.Generator().manual_seed(seed)
+    spectrum = torch.logspace(0, -1.5, dim)
+    basis = torch.linalg.qr(torch.randn(dim, dim, generator=g))[0]
+    offset = torch.zeros(dim)
+    offset[:2] = 3.0
+    k = (torch.randn(heads, n, dim, generator=g) * spectrum) @ basis.T + offset
+    v = (torch.randn(heads, n, dim, generator=g) * spectrum) @ basis
+    return k.to(dtype), v.to(dtype)
+
+
+def _run(config, q, k, v, chunks, scale=0.25, layer="l"):
+    """Feed q [Hq, N, d], k/v [Hkv, N, d] through a session: `chunks` tokens per call (a list
+    of sizes, the rest as single decode steps). Returns (session, outputs [Hq, N, dv])."""
+    outs, start = [], 0
+    sizes = list(chunks) + [1] * (q.shape[1] - sum(chunks))
+    with kvtopo.session(config) as s:
+        for n in sizes:
+            sl = slice(start, start + n)
+            outs.append(s.attend(layer, q[None, :, sl], k[None, :, sl], v[None, :, sl], None, scale)[0])
+            start += n
+    return s, torch.cat(outs, 1)
+
+
+def _exact(q, k, v, scale=0.25):
+    """Causal float64 attention of every query row over k/v."""
+    hq, n, _ = q.shape
+    group = hq // k.shape[0]
+    kk, vv = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
+    logits = q.double() @ kk.transpose(1, 2) * scale
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    return torch.softmax(logits.masked_fill(~mask, -math.inf), -1) @ vv
+
+
+def _held_tensor_bytes(cache) -> int:
+    """Every tensor the store holds, walked independently of LayerCache.nbytes."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.nbytes
+        elif hasattr(t, "__dataclass_fields__"):
+            for name in t.__dataclass_fields__:
+                add(getattr(t, name))
+        elif isinstance(t, (list, tuple)):
+            for x in t:
+                add(x)
+        elif t is not None and hasattr(t, "__dict__") and not isinstance(t, (type, torch.dtype)):
+            add(list(vars(t).values()))
+
+    add(cache.pool.keys), add(cache.pool.values)
+    for entry in cache.sequences.values():
+        add(entry.block_table), add(entry.observation), add(entry.pages), add(entry.mid)
+    return total
+
+
+def _mid_pages(session, layer="l"):
+    """[(page index, kept keys [Hkv, kept, d])] of every Mid page, oldest first, from the
+    contiguous Mid segment (exact keys: only for policies that store Mid unprojected floats)."""
+    entry = session.layers[layer].sequences[0]
+    pages = [(i, p) for i, p in enumerate(entry.pages) if p.phase is Phase.MID]
+    if entry.mid is None:
+        return []
+    heads, dim = session.layers[layer].pool.keys.shape[1], session.layers[layer].pool.keys.shape[-1]
+    rows = entry.mid.keys.decode().transpose(0, 1) if entry.mid.tokens else torch.empty(heads, 0, dim)
+    counts = entry.mid.keys.page_rows.tolist()
+    assert counts == [p.kept for _, p in pages]
+    starts = [sum(counts[:j]) for j in range(len(counts))]
+    return [(i, rows[:, a:a + c]) for (i, _), a, c in zip(pages, starts, counts)]
+
+
+def _kept_rows(kept_keys, original_keys):
+    """Token indices (within the page) each kv-head kept: [Hkv, kept], matched by exact keys."""
+    match = (kept_keys[:, :, None, :] == original_keys[:, None, :, :]).all(-1)  # [Hkv, kept, P]
+    assert bool((match.sum(-1) == 1).all()), "every stored key is one original key"
+    return match.float().argmax(-1)
+
+
+# -- registration and defaults ------------------------------------------------------------------
+def test_every_baseline_is_registered_and_constructs_with_defaults():
+    for name in BASELINES:
+        assert POLICIES[name].name == name
+        make_policy(Config(policy=name))  # defaults make sense without further fields
+    assert POLICIES["h2o"].tracks_attention_mass and not POLICIES["snapkv"].tracks_attention_mass
+
+
+def test_palu_refuses_a_half_projection():
+    with pytest.raises(ValueError, match="key_energy"):
+        make_policy(Config(policy="palu", value_energy=None))
+
+
+def test_what_each_baseline_encodes():
+    enc = {name: make_policy(Config(policy=name)).mid_encoding() for name in BASELINES}
+    for name in EVICTING + ("streaming",):
+        assert enc[name].evict and not enc[name].project and enc[name].key_bits is None
+    assert not enc["kivi"].evict and not enc["kivi"].project and enc["kivi"].key_bits == enc["kivi"].value_bits == 4
+    assert not enc["palu"].evict and enc["palu"].project and enc["palu"].key_bits is None
+    for name in BASELINES:  # every baseline keeps its recent window exact
+        assert make_policy(Config(policy=name)).recent_bits() is None
+    for name in EVICTING:  # no budget: nothing to evict, Mid stays exact in place
+        assert make_policy(Config(policy=name, target_ratio=None)).mid_encoding().identity
+
+
+# -- exactness when nothing is dropped or encoded -----------------------------------------------
+@pytest.mark.parametrize("name,fields", [
+    ("snapkv", dict(target_ratio=None)),
+    ("h2o", dict(target_ratio=None)),
+    ("knorm", dict(target_ratio=None)),
+    ("kivi", dict(mid_bits=None)),
+    ("palu", dict(key_energy=None, value_energy=None)),
+    ("streaming", dict(sink_tokens=0, recent_tokens=4096)),  # the window covers everything
+])
+def test_output_is_exact_attention_when_nothing_is_dropped_or_encoded(name, fields):
+    k, v = _kv(150, seed=1)
+    q = torch.randn(4, 150, 16, generator=torch.Generator().manual_seed(2))
+    config = Config(**{"policy": name, "page_size": 8, "sink_tokens": 8, "recent_tokens": 16, **fields})
+    s, out = _run(config, q, k, v, chunks=[40, 60])
+    torch.testing.assert_close(out.double(), _exact(q, k, v), atol=1e-5, rtol=1e-5)
+    if name in ("snapkv", "h2o", "knorm", "kivi", "palu"):
+        assert s.stats().per_kind["mid"] > 0  # pages really aged into Mid
+
+
+def test_short_sequences_are_exact_under_every_baseline():
+    """Before any page reaches Mid, every baseline holds sinks/recent/terminal exactly."""
+    k, v = _kv(90, seed=3)
+    q = torch.randn(4, 90, 16, generator=torch.Generator().manual_seed(4))
+    for name in BASELINES:
+        config = Config(policy=name, page_size=16, sink_tokens=16, recent_tokens=64, **(STREAMING if name == "streaming" else {}))
+        _, out = _run(config, q, k, v, chunks=[33])
+        torch.testing.assert_close(out.double(), _exact(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+# -- bytes are the held tensors ----------------------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(BASELINES), page=st.sampled_from([4, 8, 16]), sinks=st.integers(0, 20),
+       recent=st.integers(0, 40), chunks=st.lists(st.integers(1, 70), min_size=1, max_size=4),
+       decode=st.integers(0, 12), ratio=st.sampled_from([None, 2.0, 6.0]))
+def test_reported_bytes_are_the_held_tensors(name, page, sinks, recent, chunks, decode, ratio):
+    fields = dict(policy=name, page_size=page, sink_tokens=sinks, recent_tokens=recent, target_ratio=ratio)
+    if name == "streaming":
+        fields.update(STREAMING)
+    n = sum(chunks) + decode
+    k, v = _kv(n, dim=16, dtype=torch.float16)
+    q = torch.randn(4, n, 16, generator=torch.Generator().manual_seed(n)).half()
+    s, out = _run(Config(**fields), q, k, v, chunks=chunks)
+    stats = s.stats()
+    assert bool(torch.isfinite(out).all())
+    assert stats.total_bytes == sum(stats.per_kind.values()) == _held_tensor_bytes(s.layers["l"])
+    assert stats.fp16_bytes == n * 2 * 2 * 16 * 2
+    if name == "streaming":  # no Mid token; only the segment's int32 row count per Mid page
+        entry = s.layers["l"].sequences[0]
+        assert entry.mid is None or entry.mid.tokens == 0
+        assert stats.per_kind["mid"] == 8 * sum(p.phase is Phase.MID for p in entry.pages)
+
+
+# -- StreamingLLM -------------------------------------------------------------------------------
+def test_streaming_keeps_sinks_and_window_only_and_its_bytes_stop_growing():
+    k, v = _kv(400, seed=5)
+    q = torch.randn(4, 400, 16, generator=torch.Generator().manual_seed(6))
+    config = Config(policy="streaming", page_size=8, sink_tokens=8, recent_tokens=16, **STREAMING)
+    sizes = []
+    with kvtopo.session(config) as s:
+        outs = [s.attend("l", q[None, :, :96], k[None, :, :96], v[None, :, :96], None, 0.25)[0]]
+        for t in range(96, 400):
+            outs.append(s.attend("l", q[None, :, t:t + 1], k[None, :, t:t + 1], v[None, :, t:t + 1], None, 0.25)[0])
+            sizes.append(s.stats().total_bytes)
+        entry = s.layers["l"].sequences[0]
+        mid_pages = [p for p in entry.pages if p.phase is Phase.MID]
+        assert entry.mid.tokens == 0 and all(p.kept == 0 for p in mid_pages)
+        # Only the per-page row counts of the Mid segment (int32, keys and values) remain.
+        assert s.stats().per_kind["mid"] == 2 * 4 * len(mid_pages)
+    # Nothing but those counts grows: the cache is constant-size however long the sequence.
+    growth = [b - a for a, b in zip(sizes[-200:], sizes[-199:])]
+    assert set(growth) <= {0, 8}
+    # Decode step t sees exactly: the sink page, the 2 Recent pages and the Terminal page of
+    # the history (tokens 0..t-1, pages of 8), and itself.
+    out = torch.cat(outs, 1)
+    for t in (150, 232, 233, 399):
+        terminal = (t - 1) // 8
+        visible = torch.zeros(t + 1, dtype=torch.bool)
+        visible[:8] = True
+        visible[max(terminal - 2, 1) * 8:] = True
+        keys = k[:, :t + 1][:, visible].double().repeat_interleave(2, 0)
+        values = v[:, :t + 1][:, visible].double().repeat_interleave(2, 0)
+        expected = torch.softmax(q[:, t:t + 1].double() @ keys.transpose(1, 2) * 0.25, -1) @ values
+        torch.testing.assert_close(out[:, t:t + 1].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.xfail(not HAS_MAX_TOKENS, reason="store lacks MidEncoding.max_tokens: Mid survivors follow the budget",
+                   strict=True)
+def test_streaming_default_config_drops_mid_whatever_the_budget():
+    k, v = _kv(600, seed=7)
+    q = torch.randn(4, 600, 16, generator=torch.Generator().manual_seed(8))
+    s, _ = _run(Config(policy="streaming", page_size=8, sink_tokens=8, recent_tokens=16), q, k, v, chunks=[300])
+    assert s.stats().per_kind["mid"] == 0
+
+
+# -- SnapKV ---------------------------------------------------------------------------------------
+def test_max_pool_is_clipped_to_the_page():
+    score = torch.tensor([[0.0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 1]])
+    pooled = max_pool_tokens(score, 7)
+    assert pooled.tolist() == [[0, 5, 5, 5, 5, 5, 5, 5, 1, 1, 1]]
+    assert max_pool_tokens(score[:, :4], 7).tolist() == [[0, 0, 0, 0]]  # kernel clipped to 3
+    assert max_pool_tokens(score[:, :1], 7).tolist() == [[0]]
+    assert max_pool_tokens(score[:, :2], 7).tolist() == [[0, 0]]
+
+
+def _hot_case(n=512, heads=2, dim=32, hot_every=32, hot_at=13, seed=0, dtype=torch.float32):
+    """Keys: small noise, except one 'hot' token per page aligned with a per-head direction
+    that every query shares, so the hot tokens receive most of the softmax mass."""
+    g = torch.Generator().manual_seed(seed)
+    direction = torch.nn.functional.normalize(torch.randn(heads, 1, dim, generator=g), dim=-1)
+    k = 0.3 * torch.randn(heads, n, dim, generator=g)
+    hot = torch.arange(hot_at, n, hot_every)
+    k[:, hot] += 4.0 * direction
+    v = torch.randn(heads, n, dim, generator=g)
+    q = (3.0 * direction.repeat_interleave(2, 0) + 0.3 * torch.randn(2 * heads, n, dim, generator=g))
+    return q.to(dtype), k.to(dtype), v.to(dtype), hot
+
+
+def test_snapkv_keeps_the_tokens_with_most_softmax_mass_and_their_neighbours():
+    q, k, v, hot = _hot_case(n=1024, dtype=torch.float16)
+    config = Config(policy="snapkv", page_size=32, sink_tokens=32, recent_tokens=32, target_ratio=2.0)
+    s, _ = _run(config, q, k, v, chunks=[128] * 8)
+    assert not s.stats().budget_missed
+    mids = _mid_pages(s)
+    # Early pages pay for the exact sink/recent pages (they keep little); later ones keep ~16.
+    assert sum(7 <= kept_keys.shape[1] < 32 for _, kept_keys in mids) >= 10
+    cluster = set(range(10, 17))  # hot token 13 and its +-3 neighbours (pooling kernel 7)
+    for index, kept_keys in mids:
+        kept = _kept_rows(kept_keys, k[:, index * 32:(index + 1) * 32])
+        for h in range(2):
+            if kept_keys.shape[1] >= 7:
+                assert cluster <= set(kept[h].tolist())
+            else:
+                assert set(kept[h].tolist()) <= cluster
+
+
+def test_snapkv_score_is_pooled_softmax_mass_of_the_window():
+    q, k, v, _ = _hot_case(n=64)
+    inputs = ScoreInputs(k[:, :32], v[:, :32], q[:, -8:], 0.2)
+    score = make_policy(Config(policy="snapkv")).score(inputs)
+    torch.testing.assert_close(score, max_pool_tokens(softmax_mass(q[:, -8:], k[:, :32], 0.2), 7))
+    assert make_policy(Config(policy="snapkv")).score(ScoreInputs(k, v, None, 0.2)).shape == (2, 64)
+
+
+# -- KNorm ----------------------------------------------------------------------------------------
+def test_knorm_keeps_the_lowest_norm_keys():
+    g = torch.Generator().manual_seed(11)
+    n, heads, dim = 1024, 2, 16
+    norms = torch.rand(heads, n, generator=g) * 10 + 0.1  # distinct norms
+    k = (torch.nn.functional.normalize(torch.randn(heads, n, dim, generator=g), dim=-1) * norms[..., None]).half()
+    v = torch.randn(heads, n, dim, generator=g).half()
+    q = torch.randn(4, n, dim, generator=g).half()
+    config = Config(policy="knorm", page_size=32, sink_tokens=32, recent_tokens=32, target_ratio=2.0)
+    s, _ = _run(config, q, k, v, chunks=[300, 300, 300])
+    mids = _mid_pages(s)
+    assert sum(0 < kept_keys.shape[1] < 32 for _, kept_keys in mids) >= 10
+    for index, kept_keys in mids:
+        original = k[:, index * 32:(index + 1) * 32]
+        kept = _kept_rows(kept_keys, original)
+        lowest = original.norm(dim=-1).argsort(-1)[:, : kept_keys.shape[1]]
+        for h in range(heads):
+            assert set(kept[h].tolist()) == set(lowest[h].tolist())
+
+
+# -- H2O ------------------------------------------------------------------------------------------
+def test_h2o_accumulates_mass_while_pages_are_unsettled():
+    k, v = _kv(120, seed=12)
+    q = torch.randn(4, 120, 16, generator=torch.Generator().manual_seed(13))
+    config = Config(policy="h2o", page_size=8, sink_tokens=8, recent_tokens=16, target_ratio=None)
+    with kvtopo.session(config) as s:
+        s.attend("l", q[None, :, :50], k[None, :, :50], v[None, :, :50], None, 0.25)
+        for t in range(50, 120):
+            s.attend("l", q[None, :, t:t + 1], k[None, :, t:t + 1], v[None, :, t:t + 1], None, 0.25)
+        unsettled = s.layers["l"].unsettled_pages(0)
+        masses = [p.mass for p in unsettled if p.mass is not None]
+        assert masses and all(bool((m > 0).all()) for m in masses)
+        # Each decode query row's mass over all tokens is 1; unsettled pages get part of it.
+        per_head = sum(m.sum(-1) for m in masses)
+        assert bool((per_head <= 2 * 70 + 1e-3).all())
+        assert s.stats().per_kind["metadata"] >= sum(m.nbytes for m in masses)
+
+
+def _h2o_case(policy, budget):
+    """Page 0 (tokens 0-7) ages through Terminal/Recent while queries 8..15 all look at its
+    token 2; the last query (the observation window, W=1) looks at its token 5."""
+    g = torch.Generator().manual_seed(14)
+    heads, dim, n = 1, 16, 17
+    basis = torch.linalg.qr(torch.randn(dim, dim, generator=g))[0].T  # orthonormal rows
+    k = 0.05 * torch.randn(heads, n, dim, generator=g)
+    k[0, 2] += 3 * basis[0]
+    k[0, 5] += 3 * basis[1]
+    k[0, 8:] += 3 * basis[2]  # later tokens are off both directions
+    v = torch.randn(heads, n, dim, generator=g)
+    q = torch.zeros(2, n, dim)
+    q[:, :16] = 2 * basis[0]
+    q[:, 16] = 2.5 * basis[1]
+    config = Config(policy=policy, page_size=8, sink_tokens=0, recent_tokens=8, observation_window=1,
+                    target_ratio=None, layer_budget_bytes=budget)
+    s, _ = _run(config, q, k, v, chunks=[8])
+    (index, kept_keys), = _mid_pages(s)
+    assert index == 0
+    return s, kept_keys, k
+
+
+def test_h2o_accumulated_mass_drives_the_choice():
+    # Find the budget at which page 0 keeps exactly one token, then compare policies on it.
+    lo, hi = 1, 8192  # kept tokens grow with the budget: bisect for the first budget keeping one
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _h2o_case("h2o", mid)[1].shape[1] == 0 else (lo, mid)
+    budget = hi
+    s, h2o_kept, k = _h2o_case("h2o", budget)
+    assert _kept_rows(h2o_kept, k[:, :8]).tolist() == [[2]]  # the heavy hitter of queries 8..16
+    # The observation window alone (the fallback, SnapKV without pooling) would keep token 5.
+    window = s.layers["l"].sequences[0].observation
+    assert softmax_mass(window, k[:, :8], 0.25).argmax().item() == 5
+
+
+def test_h2o_score_falls_back_to_the_window_without_mass():
+    q, k, v, _ = _hot_case(n=64)
+    policy = make_policy(Config(policy="h2o"))
+    window = q[:, -8:]
+    torch.testing.assert_close(policy.score(ScoreInputs(k, v, window, 0.2)), softmax_mass(window, k, 0.2))
+    mass = torch.rand(2, 64)
+    torch.testing.assert_close(policy.score(ScoreInputs(k, v, window, 0.2, mass)), mass)
+    partial = mass[:, :40]  # mass for part of the page only: one scale for the whole page
+    torch.testing.assert_close(policy.score(ScoreInputs(k, v, window, 0.2, partial)), softmax_mass(window, k, 0.2))
+
+
+# -- KIVI -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_mid_bytes_per_token_follow_the_formula(bits):
+    heads, dim, page = 2, 128, 32
+    k, v = _kv(700, heads=heads, dim=dim, seed=15, dtype=torch.float16)
+    q = torch.randn(4, 700, dim, generator=torch.Generator().manual_seed(16)).half()
+    config = Config(policy="kivi", mid_bits=bits, page_size=page, sink_tokens=32, recent_tokens=64)
+    s, out = _run(config, q, k, v, chunks=[256, 256, 180], scale=dim ** -0.5)  # then 8 decode steps
+    entry = s.layers["l"].sequences[0]
+    mids = [p for p in entry.pages if p.phase is Phase.MID]
+    # Keys: codes + float16 (scale, offset) per channel of the page; values: codes + float16
+    # (scale, offset) per token and head; plus one int32 row count per page for each.
+    per_page = heads * (page * dim * bits // 8 + 2 * 2 * dim) + heads * (page * dim * bits // 8 + 2 * 2 * page)
+    assert s.stats().per_kind["mid"] == len(mids) * (per_page + 2 * 4)
+    assert all(p.kept == page for p in mids)  # nothing evicted
+    assert tuple(entry.mid.keys.scale.shape) == (len(mids), heads, dim)  # per channel, per page
+    assert tuple(entry.mid.values.scale.shape) == (len(mids) * page, heads, 1)  # per token
+    fp16_per_token = heads * 2 * dim * 2
+    mid_ratio = fp16_per_token * page / per_page
+    assert mid_ratio == pytest.approx({2: 6.10, 4: 3.46}[bits], abs=0.01)
+    assert s.stats().per_kind["recent"] == 2 * heads * page * dim * 2 * 2  # exact residual window
+    err = ((out.double() - _exact(q, k, v, dim ** -0.5)).norm() / _exact(q, k, v, dim ** -0.5).norm()).item()
+    assert err < {2: 0.3, 4: 0.06}[bits]
+
+
+# -- Palu ---------------------------------------------------------------------------------------------
+def test_palu_projects_onto_few_directions_in_float16():
+    g = torch.Generator().manual_seed(17)
+    heads, dim, rank, n = 2, 32, 4, 400
+    basis = torch.linalg.qr(torch.randn(dim, dim, generator=g))[0][:, :rank]
+    k = torch.randn(heads, n, rank, generator=g) @ basis.T + 2.0  # rank 4 around a mean
+    v = torch.randn(heads, n, rank, generator=g) @ basis.T
+    q = torch.randn(4, n, dim, generator=g)
+    config = Config(policy="palu", page_size=16, sink_tokens=16, recent_tokens=32, key_energy=0.999, value_energy=0.999)
+    s, out = _run(config, q, k, v, chunks=[200, 150], scale=dim ** -0.5)
+    entry = s.layers["l"].sequences[0]
+    assert entry.mid.key_bases.ranks == entry.mid.value_bases.ranks == (rank, rank)
+    mids = [p for p in entry.pages if p.phase is Phase.MID]
+    for rows in (entry.mid.keys.rows, entry.mid.values.rows):  # float16 coefficients, true ranks only
+        assert rows.dtype == torch.float16 and tuple(rows.shape) == (16 * len(mids), heads * rank)
+    assert s.stats().per_kind["mid"] == len(mids) * (16 * 2 * heads * rank * 2 + 2 * 4)
+    exact = _exact(q, k, v, dim ** -0.5)
+    assert ((out.double() - exact).norm() / exact.norm()).item() < 3e-3  # float16 coefficients only
+    assert not s.stats().budget_missed or s.stats().per_kind["mid"] > 0
+
+
+def test_palu_bytes_shrink_with_energy():
+    k, v = _kv(500, heads=2, dim=32, seed=18, dtype=torch.float16)
+    q = torch.randn(4, 500, 32, generator=torch.Generator().manual_seed(19)).half()
+    mid = []
+    for energy in (0.5, 0.9, 0.99):
+        s, _ = _run(Config(policy="palu", key_energy=energy, value_energy=energy, page_size=16), q, k, v, chunks=[250, 250])
+        mid.append(s.stats().per_kind["mid"])
+    assert mid[0] < mid[1] < mid[2] < 468 * 2 * 2 * 32 * 2  # below what exact Mid pages would hold
+
+
+# -- budgets ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", EVICTING)
+def test_evicting_baselines_meet_their_budget_once_the_context_allows(name):
+    k, v = _kv(2000, heads=2, dim=32, dtype=torch.float16, seed=20)
+    q = torch.randn(4, 2000, 32, generator=torch.Generator().manual_seed(21)).half()
+    config = Config(policy=name, page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0)
+    with kvtopo.session(config) as s:
+        s.attend("l", q[None, :, :64], k[None, :, :64], v[None, :, :64], None, 0.2)
+        assert s.stats().budget_missed  # 64 tokens: the exact pages alone are over 1/8 of fp16
+        for start in range(64, 2000, 256):
+            sl = slice(start, start + 256)
+            s.attend("l", q[None, :, sl], k[None, :, sl], v[None, :, sl], None, 0.2)
+        stats = s.stats()
+        entry = s.layers["l"].sequences[0]
+        held = s.layers["l"].sequence_nbytes(entry)
+    assert not stats.budget_missed
+    assert held <= stats.fp16_bytes / 8.0
+    assert stats.per_kind["mid"] > 0 and stats.ratio_vs_fp16 >= 6.0  # free pool slots included
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_evicting_baselines_raise_when_asked_and_the_budget_cannot_be_met(name):
+    k, v = _kv(200, seed=22)
+    config = Config(policy=name, page_size=8, sink_tokens=64, recent_tokens=64, layer_budget_bytes=2000, over_budget="raise")
+    with kvtopo.session(config) as s, pytest.raises(BudgetExceeded, match="cannot be met"):
+        s.attend("l", torch.randn(1, 4, 200, 16), k[None], v[None], None, 0.25)
+
+
+@pytest.mark.parametrize("name,fields", [("kivi", dict(mid_bits=4)), ("palu", dict(key_energy=0.99, value_energy=0.99))])
+def test_non_evicting_baselines_report_a_budget_they_cannot_meet(name, fields):
+    """KIVI and Palu never drop tokens: a budget below what their encoding costs is reported
+    as missed (never raised: they have nothing to evict), and no budget means no miss."""
+    k, v = _kv(600, heads=2, dim=32, dtype=torch.float16, seed=23)
+    q = torch.randn(4, 600, 32, generator=torch.Generator().manual_seed(24)).half()
+    s, _ = _run(Config(policy=name, page_size=16, target_ratio=8.0, over_budget="raise", **fields), q, k, v, chunks=[300, 300])
+    assert s.stats().budget_missed and s.stats().per_kind["mid"] > 0
+    s, _ = _run(Config(policy=name, page_size=16, target_ratio=None, **fields), q, k, v, chunks=[300, 300])
+    assert not s.stats().budget_missed
