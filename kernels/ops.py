@@ -37,9 +37,65 @@ def _attention_fake(query, key, value, attn_mask, scale, is_causal, layer):
     return query.new_empty(*query.shape[:-1], value.shape[-1])
 
 
+@torch.library.custom_op("kvtopo::mla_attention", mutates_args=())
+def mla_attention(
+    query: torch.Tensor,
+    latent: torch.Tensor,
+    rope_key: torch.Tensor,
+    kv_up_weight: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    is_causal: bool,
+    layer: str,
+    nope_dim: int,
+) -> torch.Tensor:
+    """Multi-head latent attention computed in the latent space (DeepSeek-V2/V3).
+
+    query [B, H, T, nope + rope]; latent [B, 1, T, r] (normalised); rope_key [B, 1, T, rope];
+    kv_up_weight [H * (nope + v), r] (kv_b_proj) -> [B, H, T, v]. The up-projection is absorbed
+    into the query (keys) and applied once to the attended latent (values), so per-head K/V are
+    never formed and a session caches only [latent ; rope key] per token.
+    """
+    q_latent, w_value = absorb_mla_query(query, kv_up_weight, nope_dim, latent.shape[-1])
+    keys = torch.cat([latent, rope_key], dim=-1)  # [B, 1, T, r + rope]: one shared "kv-head"
+    session = active_session()
+    if session is None:
+        out_latent = grouped_attention(q_latent, keys, latent, attn_mask, scale, is_causal)
+    else:
+        out_latent = session.attend(layer, q_latent, keys, latent, attn_mask, scale,
+                                    shared_value_dim=latent.shape[-1])
+    return torch.einsum("bhtr,hvr->bhtv", out_latent, w_value).contiguous()
+
+
+def absorb_mla_query(query, kv_up_weight, nope_dim: int, latent_dim: int):
+    """[q_nope · W_uk ; q_rope] per head, and W_uv [H, v, r] for the output side."""
+    heads = query.shape[1]
+    weight = kv_up_weight.view(heads, -1, latent_dim)
+    w_key, w_value = weight[:, :nope_dim], weight[:, nope_dim:]
+    q_nope, q_rope = query[..., :nope_dim], query[..., nope_dim:]
+    q_latent = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, w_key), q_rope], dim=-1)
+    return q_latent, w_value
+
+
+@mla_attention.register_fake
+def _mla_attention_fake(query, latent, rope_key, kv_up_weight, attn_mask, scale, is_causal, layer, nope_dim):
+    value_dim = kv_up_weight.shape[0] // query.shape[1] - nope_dim
+    return query.new_empty(*query.shape[:-1], value_dim)
+
+
 def _attention_decomposition(query, key, value, attn_mask, scale, is_causal, layer):
     return attention_decomposition(query, key, value, attn_mask, scale, is_causal)
 
 
-# For `ExportedProgram.run_decompositions(DECOMPOSITIONS)`: the op in plain aten ops, cache-free.
-DECOMPOSITIONS = {torch.ops.kvtopo.attention.default: _attention_decomposition}
+def _mla_attention_decomposition(query, latent, rope_key, kv_up_weight, attn_mask, scale, is_causal, layer, nope_dim):
+    q_latent, w_value = absorb_mla_query(query, kv_up_weight, nope_dim, latent.shape[-1])
+    keys = torch.cat([latent, rope_key], dim=-1)
+    out_latent = attention_decomposition(q_latent, keys, latent, attn_mask, scale, is_causal)
+    return torch.einsum("bhtr,hvr->bhtv", out_latent, w_value)
+
+
+# For `ExportedProgram.run_decompositions(DECOMPOSITIONS)`: the ops in plain aten ops, cache-free.
+DECOMPOSITIONS = {
+    torch.ops.kvtopo.attention.default: _attention_decomposition,
+    torch.ops.kvtopo.mla_attention.default: _mla_attention_decomposition,
+}

@@ -7,18 +7,26 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from .find_eager import find_eager_sites
-from .find_sdpa import find_sdpa_sites
-from .rewrite import rewrite_sites
-from .site import AttentionSite, Refusal
+import dataclasses
 
-# Finders run in this order; each sees the graph as the previous ones left it.
-FINDERS = (find_sdpa_sites, find_eager_sites)
+from .find_eager import find_eager_sites
+from .find_mla import find_mla_sites
+from .find_sdpa import find_sdpa_sites
+from .rewrite import rewrite_mla_sites, rewrite_sites
+from .site import Refusal
+
+# (finder, rewriter) pairs, run in this order; each sees the graph as the previous ones left it.
+# MLA goes first: its sites are also plain attention, but caching their latent is what matters.
+PASSES = (
+    (find_mla_sites, rewrite_mla_sites),
+    (find_sdpa_sites, rewrite_sites),
+    (find_eager_sites, rewrite_sites),
+)
 
 
 @dataclass
 class PassReport:
-    sites: list[AttentionSite] = field(default_factory=list)
+    sites: list = field(default_factory=list)  # AttentionSite or MLASite
     refusals: list[Refusal] = field(default_factory=list)
     rewritten: int = 0
     seconds: float = 0.0
@@ -31,7 +39,7 @@ class PassReport:
         return "\n".join(lines)
 
 
-def _unique_layers(sites: list[AttentionSite]) -> list[AttentionSite]:
+def _unique_layers(sites: list) -> list:
     """A module called twice in one graph gets '#k' suffixes so its calls keep separate caches."""
     seen: dict[str, int] = {}
     out = []
@@ -39,7 +47,7 @@ def _unique_layers(sites: list[AttentionSite]) -> list[AttentionSite]:
         n = seen.get(site.layer, 0)
         seen[site.layer] = n + 1
         if n:
-            site = AttentionSite(**{**site.__dict__, "layer": f"{site.layer}#{n}"})
+            site = dataclasses.replace(site, layer=f"{site.layer}#{n}")
         out.append(site)
     return out
 
@@ -48,10 +56,10 @@ def run_passes(gm: fx.GraphModule) -> PassReport:
     """Find every attention site of `gm`, rewrite it in place, and report. Refusals stay untouched."""
     start = time.perf_counter()
     report = PassReport()
-    for finder in FINDERS:
+    for finder, rewriter in PASSES:
         sites, refusals = finder(gm)
         sites = _unique_layers(report.sites + sites)[len(report.sites):]
-        report.rewritten += rewrite_sites(gm, sites) if sites else 0
+        report.rewritten += rewriter(gm, sites) if sites else 0
         report.sites += sites
         report.refusals += refusals
     report.seconds = time.perf_counter() - start

@@ -14,6 +14,9 @@ import kvtopo.kernels.ops  # noqa: F401  (registers torch.ops.kvtopo.*)
 from .site import AttentionSite
 
 
+_KEPT_META = ("example_value", "nn_module_stack", "stack_trace", "source_fn_stack")
+
+
 def _fold_masks(graph: fx.Graph, masks) -> fx.Node | None:
     """One attn_mask node equivalent to applying every mask of the site."""
     if not masks:
@@ -47,6 +50,31 @@ def _erase_dead_chain(graph: fx.Graph, node: fx.Node) -> None:
         stack.extend(inputs)
 
 
+def rewrite_mla_sites(gm: fx.GraphModule, sites) -> int:
+    """Replace each MLA site with `kvtopo::mla_attention`; the per-head K/V it built become dead."""
+    graph = gm.graph
+    for mla in sites:
+        site = mla.site
+        with graph.inserting_before(site.output):
+            mask = _fold_masks(graph, site.masks)
+            new = graph.call_function(
+                torch.ops.kvtopo.mla_attention.default,
+                (site.query, mla.latent, mla.rope_key, mla.weight, mask, site.scale, site.is_causal, mla.layer,
+                 mla.nope_dim),
+            )
+        new.meta.update({k: v for k, v in site.output.meta.items() if k in _KEPT_META})
+        site.output.replace_all_uses_with(new)
+        _erase_dead_chain(graph, site.output)
+        for fill in mla.fills:  # proven to only fill the per-head key, now unused
+            inputs = fill.all_input_nodes
+            graph.erase_node(fill)
+            for node in inputs:
+                _erase_dead_chain(graph, node)
+    graph.lint()
+    gm.recompile()
+    return len(sites)
+
+
 def rewrite_sites(gm: fx.GraphModule, sites: list[AttentionSite]) -> int:
     graph = gm.graph
     for site in sites:
@@ -56,7 +84,7 @@ def rewrite_sites(gm: fx.GraphModule, sites: list[AttentionSite]) -> int:
                 torch.ops.kvtopo.attention.default,
                 (site.query, site.key, site.value, mask, site.scale, site.is_causal, site.layer),
             )
-        new.meta.update({k: v for k, v in site.output.meta.items() if k in ("example_value", "nn_module_stack", "stack_trace", "source_fn_stack")})
+        new.meta.update({k: v for k, v in site.output.meta.items() if k in _KEPT_META})
         site.output.replace_all_uses_with(new)
         _erase_dead_chain(graph, site.output)
     graph.lint()

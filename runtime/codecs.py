@@ -32,18 +32,19 @@ def _nbytes(x) -> int:
 @dataclass(frozen=True, eq=False)
 class RecentPage:
     keys: Quantized  # [Hkv, n, dk], statistics per channel
-    values: Quantized  # [Hkv, n, dv], statistics per token
+    values: Quantized | None  # [Hkv, n, dv], statistics per token; None when values live in the keys
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return self.keys.nbytes + _nbytes(self.values)
 
-    def decode(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return dequantize(self.keys), dequantize(self.values)
+    def decode(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return dequantize(self.keys), dequantize(self.values) if self.values is not None else None
 
 
-def encode_recent(keys: torch.Tensor, values: torch.Tensor, bits: int) -> RecentPage:
-    return RecentPage(quantize(keys, bits, reduce_dim=1), quantize(values, bits, reduce_dim=-1))
+def encode_recent(keys: torch.Tensor, values: torch.Tensor | None, bits: int) -> RecentPage:
+    values = quantize(values, bits, reduce_dim=-1) if values is not None else None
+    return RecentPage(quantize(keys, bits, reduce_dim=1), values)
 
 
 # -- Mid: principal directions -------------------------------------------------------------------
@@ -152,12 +153,17 @@ def _grow(buffer: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
 
 
 class MidSegment:
-    """The Mid tokens of one sequence and layer under one MidEncoding, plus the head bases."""
+    """The Mid tokens of one sequence and layer under one MidEncoding, plus the head bases.
+
+    With `shared_value_dim` set (MLA latents), values are the leading dims of the keys and
+    only the keys are stored.
+    """
 
     def __init__(self, encoding: MidEncoding, key_bases: HeadBases | None, value_bases: HeadBases | None,
-                 dtype: torch.dtype):
-        if encoding.project and (key_bases is None or value_bases is None):
+                 dtype: torch.dtype, shared_value_dim: int | None = None):
+        if encoding.project and (key_bases is None or (value_bases is None and shared_value_dim is None)):
             raise ValueError("a projecting Mid encoding needs key and value bases")
+        self.shared_value_dim = shared_value_dim
         self.encoding = encoding
         self.key_bases, self.value_bases = key_bases, value_bases
         # Projected coefficients are new numbers, not cache entries: float16 is their float form.
@@ -179,36 +185,52 @@ class MidSegment:
         """Encode one page's surviving tokens, keys [Hkv, n, dk] and values [Hkv, n, dv]."""
         if self.encoding.project:
             self.keys.append(self.key_bases.project(keys))
-            self.values.append(self.value_bases.project(values))
         else:
             self.keys.append(keys.transpose(0, 1))
-            self.values.append(values.transpose(0, 1))
+        if self.shared_value_dim is None:
+            self.values.append(self.value_bases.project(values) if self.encoding.project else values.transpose(0, 1))
 
     def attention_inputs(self):
         """(LowRankHeads, LowRankHeads) when projected, else dense (keys [Hkv, N, dk], values
         [Hkv, N, dv]); None while empty. Coefficients are dequantized, never expanded to K/V."""
         if self.tokens == 0:
             return None
-        keys, values = self.keys.decode(), self.values.decode()
+        keys = self.keys.decode()
         if self.encoding.project:
-            return self.key_bases.expand(keys), self.value_bases.expand(values)
-        return keys.transpose(0, 1), values.transpose(0, 1)
+            keys = self.key_bases.expand(keys)
+        else:
+            keys = keys.transpose(0, 1)
+        if self.shared_value_dim is not None:
+            return keys, _leading_dims(keys, self.shared_value_dim)
+        values = self.values.decode()
+        values = self.value_bases.expand(values) if self.encoding.project else values.transpose(0, 1)
+        return keys, values
 
     def page_nbytes(self, tokens: int, kv_heads: int, key_dim: int, value_dim: int) -> int:
         """Bytes `append_page` adds for `tokens` survivors, for budgeting before encoding.
 
         Assumes float16 statistics (what `quantize` stores unless a slice needs float32).
         """
-        page_rows = self.keys.page_rows.element_size() * 2
+        shared = self.shared_value_dim is not None
+        page_rows = self.keys.page_rows.element_size() * (1 if shared else 2)
         if tokens == 0:
             return page_rows
         e = self.encoding
         if e.project:
-            return page_rows + (_coded_nbytes((tokens, sum(self.key_bases.ranks)), 0, e.key_bits, self.float_dtype)
-                                + _coded_nbytes((tokens, sum(self.value_bases.ranks)), 0, e.value_bits,
-                                                self.float_dtype))
-        return page_rows + (_coded_nbytes((tokens, kv_heads, key_dim), 0, e.key_bits, self.float_dtype)
-                            + _coded_nbytes((tokens, kv_heads, value_dim), -1, e.value_bits, self.float_dtype))
+            keys = _coded_nbytes((tokens, sum(self.key_bases.ranks)), 0, e.key_bits, self.float_dtype)
+            values = 0 if shared else _coded_nbytes((tokens, sum(self.value_bases.ranks)), 0, e.value_bits,
+                                                    self.float_dtype)
+        else:
+            keys = _coded_nbytes((tokens, kv_heads, key_dim), 0, e.key_bits, self.float_dtype)
+            values = 0 if shared else _coded_nbytes((tokens, kv_heads, value_dim), -1, e.value_bits, self.float_dtype)
+        return page_rows + keys + values
+
+
+def _leading_dims(keys, dims: int):
+    """Values that are the first `dims` dims of the keys, in the keys' representation."""
+    if isinstance(keys, LowRankHeads):
+        return LowRankHeads(keys.coefficients, keys.vectors[:, :dims], keys.mean[:, :dims])
+    return keys[..., :dims]
 
 
 def _coded_nbytes(shape: tuple[int, ...], reduce_dim: int, bits: int | None, float_dtype: torch.dtype) -> int:

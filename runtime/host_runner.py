@@ -294,12 +294,15 @@ class _Layer:
 class HostRunner:
     """Prefill + decode of an exported model with onnxruntime (see the module docstring)."""
 
-    def __init__(self, export_dir, providers=None, threads: int | None = None):
+    def __init__(self, export_dir, config: Config | None = None, providers=None, threads: int | None = None):
+        """`config`: run under another Config than the one exported, when the graphs allow it
+        (budget, eviction and prefill settings may differ; what shapes the graphs may not)."""
         import onnxruntime as ort
 
         d = Path(export_dir)
         self.layout = _load_layout(d / "layout.json")
-        self.config: Config = self.layout.config_object()
+        exported = self.layout.config_object()
+        self.config: Config = exported if config is None else _compatible(config, exported)
         self.plan = PhasePlan(self.config.page_size, self.config.sink_tokens, self.config.recent_tokens,
                               self.config.protected_spans)
         policy = make_policy(self.config)
@@ -359,6 +362,19 @@ class HostRunner:
             logits = self.forward(np.array([token]))[-1]
         out = np.concatenate([ids, np.array(tokens, np.int64)])
         return (out, np.stack(step_logits)) if return_logits else out
+
+
+# Config fields the exported graphs or buffer capacities depend on.
+_GRAPH_FIELDS = ("policy", "page_size", "sink_tokens", "recent_tokens", "protected_spans", "recent_bits", "mid_bits",
+                 "key_energy", "value_energy", "observation_window", "score_margin")
+
+
+def _compatible(config: Config, exported: Config) -> Config:
+    diff = [f for f in _GRAPH_FIELDS if getattr(config, f) != getattr(exported, f)
+            and not (f in ("key_energy", "value_energy") and getattr(config, f) and getattr(exported, f))]
+    if diff:
+        raise ValueError(f"config differs from the exported one in {diff}, which the graphs depend on: re-export")
+    return config
 
 
 def _load_layout(path: Path):

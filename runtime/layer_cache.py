@@ -59,8 +59,11 @@ class Segments:
 
 
 class LayerCache:
-    def __init__(self, config: Config, policy: Policy):
+    def __init__(self, config: Config, policy: Policy, shared_value_dim: int | None = None):
+        """`shared_value_dim`: values are the first that many dims of the keys and are not
+        stored (MLA: the cached latent is both key and value)."""
         self.config = config
+        self.shared_value_dim = shared_value_dim
         self.policy = policy
         self.plan = PhasePlan(config.page_size, config.sink_tokens, config.recent_tokens, config.protected_spans)
         self.mid_encoding = policy.mid_encoding()
@@ -162,10 +165,12 @@ class LayerCache:
     def page_keys(self, page: Page) -> torch.Tensor:
         return self._page_kv(page)[0]
 
-    def _page_kv(self, page: Page) -> tuple[torch.Tensor, torch.Tensor]:
+    def _page_kv(self, page: Page) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A page's keys and values (values None when they are shared with the keys)."""
         if page.slot is not None:
-            return (self.pool.keys[page.slot, :, : page.tokens].clone(),
-                    self.pool.values[page.slot, :, : page.tokens].clone())
+            keys = self.pool.keys[page.slot, :, : page.tokens].clone()
+            values = None if self.shared_value_dim else self.pool.values[page.slot, :, : page.tokens].clone()
+            return keys, values
         return page.recent.decode()
 
     def _reaches_mid(self, length: int) -> bool:
@@ -180,8 +185,9 @@ class LayerCache:
         if self.mid_encoding.project:
             held = [self._page_kv(p) for p in entry.pages] + [(new_keys, new_values)]
             key_bases = fit_bases(torch.cat([k for k, _ in held], dim=1), self.config.key_energy)
-            value_bases = fit_bases(torch.cat([v for _, v in held], dim=1), self.config.value_energy)
-        return MidSegment(self.mid_encoding, key_bases, value_bases, self.pool.keys.dtype)
+            if not self.shared_value_dim:
+                value_bases = fit_bases(torch.cat([v for _, v in held], dim=1), self.config.value_energy)
+        return MidSegment(self.mid_encoding, key_bases, value_bases, self.pool.keys.dtype, self.shared_value_dim)
 
     # -- budget and eviction -------------------------------------------------------------------
     def _budget(self, entry: SequenceKV) -> float | None:
@@ -201,7 +207,7 @@ class LayerCache:
         if budget is None:
             return keys, values
         room = budget - (self.sequence_nbytes(entry) - self._page_nbytes(page))
-        shape = (keys.shape[0], keys.shape[-1], values.shape[-1])
+        shape = (keys.shape[0], keys.shape[-1], 0 if values is None else values.shape[-1])
         keep = tokens
         while keep > 0 and entry.mid.page_nbytes(keep, *shape) > room:
             keep -= 1
@@ -213,10 +219,13 @@ class LayerCache:
             )
         if keep == tokens:
             return keys, values
-        scores = self.policy.score(ScoreInputs(keys, values, entry.observation, self.scale, page.mass))
+        shown_values = values if values is not None else keys[..., : self.shared_value_dim]
+        scores = self.policy.score(ScoreInputs(keys, shown_values, entry.observation, self.scale, page.mass))
         kept = scores.topk(keep, dim=-1).indices.sort(dim=-1).values  # [Hkv, keep]
-        return (keys.gather(1, kept[..., None].expand(-1, -1, keys.shape[-1])),
-                values.gather(1, kept[..., None].expand(-1, -1, values.shape[-1])))
+        keys = keys.gather(1, kept[..., None].expand(-1, -1, keys.shape[-1]))
+        if values is not None:
+            values = values.gather(1, kept[..., None].expand(-1, -1, values.shape[-1]))
+        return keys, values
 
     # -- reading -------------------------------------------------------------------------------
     def segments(self, seq: int) -> Segments | None:
@@ -228,14 +237,18 @@ class LayerCache:
         if exact_pages:
             idx = entry.block_table.long()
             total = sum(p.tokens for p in exact_pages)
-            exact = (self.pool.keys[idx].transpose(0, 1).flatten(1, 2)[:, :total],
-                     self.pool.values[idx].transpose(0, 1).flatten(1, 2)[:, :total])
+            keys = self.pool.keys[idx].transpose(0, 1).flatten(1, 2)[:, :total]
+            exact = (keys, self._values(keys, lambda: self.pool.values[idx].transpose(0, 1).flatten(1, 2)[:, :total]))
         recent_pages = [p.recent.decode() for p in entry.pages if p.recent is not None]
         recent = None
         if recent_pages:
-            recent = (torch.cat([k for k, _ in recent_pages], 1), torch.cat([v for _, v in recent_pages], 1))
+            keys = torch.cat([k for k, _ in recent_pages], 1)
+            recent = (keys, self._values(keys, lambda: torch.cat([v for _, v in recent_pages], 1)))
         mid = entry.mid.attention_inputs() if entry.mid is not None else None
         return Segments(exact, recent, mid, self.mid_encoding.project)
+
+    def _values(self, keys: torch.Tensor, stored) -> torch.Tensor:
+        return keys[..., : self.shared_value_dim] if self.shared_value_dim else stored()
 
     def unsettled_pages(self, seq: int) -> list[Page]:
         """Pages that may still be evicted later (Terminal/Recent), for attention-mass tracking."""

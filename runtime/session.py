@@ -86,7 +86,13 @@ class Session:
             self._step_valid = None
 
     # -- the op's entry point -------------------------------------------------------------------
-    def attend(self, layer: str, query, key, value, attn_mask, scale: float) -> torch.Tensor:
+    def attend(self, layer: str, query, key, value, attn_mask, scale: float,
+               shared_value_dim: int | None = None) -> torch.Tensor:
+        """Attention of `query` over this layer's history and the new `key`/`value` chunk.
+
+        `shared_value_dim`: the values are the first that many dims of the keys (MLA latents),
+        so `value` is ignored and only the keys are stored.
+        """
         if not self.active:
             raise RuntimeError("kvtopo session used after it was closed")
         batch, _, chunk, _ = query.shape
@@ -103,8 +109,13 @@ class Session:
         _check_pure_mask(layer, attn_mask)
         cache = self.layers.get(layer)
         if cache is None:
-            cache = self.layers[layer] = LayerCache(self.config, self.policy)
+            cache = self.layers[layer] = LayerCache(self.config, self.policy, shared_value_dim)
+        elif cache.shared_value_dim != shared_value_dim:
+            raise ValueError(f"layer {layer!r} was cached with shared_value_dim={cache.shared_value_dim}, "
+                             f"now called with {shared_value_dim}")
         cache.scale = scale
+        if shared_value_dim:
+            value = key[..., :shared_value_dim]
         self.calls += 1
 
         out = query.new_zeros(*query.shape[:-1], value.shape[-1])
@@ -137,7 +148,7 @@ class Session:
             if tracks_mass:
                 _accumulate_mass(cache, seq, q, parts, scale)
         cache.observe(seq, q)
-        cache.append(seq, k, v)
+        cache.append(seq, k, v[..., :0] if cache.shared_value_dim else v)
         return out
 
     # -- accounting ------------------------------------------------------------------------------

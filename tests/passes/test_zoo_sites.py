@@ -41,7 +41,8 @@ def test_every_attention_layer_becomes_one_kvtopo_op(name, impl):
     layers = zoo.num_attention_layers(model)
     from kvtopo.backend import kvtopo_backend
     graphs, out = _graphs(model, x, lambda gm, ex: kvtopo_backend(gm, ex, options={"inductor": False}))
-    after = sum(_count(g, {torch.ops.kvtopo.attention.default}) for g in graphs)
+    kvtopo_ops = {torch.ops.kvtopo.attention.default, torch.ops.kvtopo.mla_attention.default}
+    after = sum(_count(g, kvtopo_ops) for g in graphs)
     sdpa_after = sum(_count(g, {F.scaled_dot_product_attention}) for g in graphs)
 
     assert len(graphs) == len(plain_graphs), "kvtopo added a graph break"
