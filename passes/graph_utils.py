@@ -113,10 +113,14 @@ def strip_repeat_kv(node: fx.Node) -> tuple[fx.Node, int]:
 
 
 def _weight_placeholder(node: fx.Node) -> bool:
+    """A lifted parameter/buffer: by Dynamo's source while compiling, else by its lifted name
+    (Dynamo drops `grapharg` from the graph once compilation ends)."""
     grapharg = node.meta.get("grapharg")
     source = getattr(getattr(grapharg, "source", None), "name", "")
     source = source() if callable(source) else source
-    return "._parameters[" in source or "._buffers[" in source
+    if source:
+        return "._parameters[" in source or "._buffers[" in source
+    return "_parameters_" in node.name or "_buffers_" in node.name
 
 
 class ActivationSources:
