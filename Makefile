@@ -21,5 +21,11 @@ demo: setup
 test: setup
 	$(BIN)/pytest
 
+# Every benchmark in bench/, each writing its JSON (and PNG) to bench/results/. Long: see README.
+bench: setup
+	for b in compile_overhead memory decode_speed export quality; do \
+		[ -f bench/$$b.py ] && $(BIN)/python bench/$$b.py || exit 1; \
+	done
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
