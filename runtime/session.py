@@ -134,7 +134,6 @@ class Session:
     def _attend_one(self, cache: LayerCache, seq: int, q, k, v, scale: float) -> torch.Tensor:
         """Attend q [Hq, T, d] over [stored history ; new chunk], then store the chunk."""
         segments = cache.segments(seq)
-        causal = chunk_causal_mask(0, q.shape[1], device=q.device)
         tracks_mass = self.policy.tracks_attention_mass
         if segments is None or (segments.only_exact and not tracks_mass):
             past = segments.exact if segments is not None else None
@@ -143,6 +142,7 @@ class Session:
             mask = chunk_causal_mask(keys.shape[1] - k.shape[1], q.shape[1], device=q.device)
             out = grouped_attention(q[None], keys[None], values[None], mask, scale)[0]
         else:
+            causal = chunk_causal_mask(0, q.shape[1], device=q.device)
             parts = _history_partials(q, segments, scale) + [partial_dense(q, k, v, scale, causal)]
             out = merge_partials(parts).to(q.dtype)
             if tracks_mass:
