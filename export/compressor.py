@@ -68,8 +68,8 @@ def quantize_columns(x: Tensor, valid: Tensor, bits: int) -> tuple[Tensor, Tenso
     rows = valid[None, :, None]
     lo = torch.where(rows, x, torch.full_like(x, float("inf"))).amin(1)
     hi = torch.where(rows, x, torch.full_like(x, -float("inf"))).amax(1)
-    offset16 = round_toward_f16(lo, -1.0).float()
-    scale16 = round_toward_f16((hi - offset16) / levels, 1.0).float()
+    offset16 = round_toward_f16(lo, -1.0)
+    scale16 = round_toward_f16((hi - offset16) / levels, 1.0)
     ideal = (hi - lo) / levels
     use16 = (scale16 <= ideal * (1 + SCALE_TOLERANCE)).all()
     offset = torch.where(use16, offset16, lo)

@@ -1,0 +1,164 @@
+"""ONNX export: onnxruntime + HostRunner against the PyTorch session, and the exp-free compressor."""
+
+import numpy as np
+import onnx
+import onnx.inliner
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kvtopo
+from kvtopo.kernels.quant import unpack
+from kvtopo.models import zoo
+from kvtopo.runtime.codecs import MidSegment, fit_bases
+from kvtopo.runtime.host_runner import HostRunner
+from kvtopo.runtime.policies import ScoreInputs, make_policy
+
+from export_common import CONFIG, export_module, export_package
+
+EXPONENTIAL_OPS = {"Exp", "Softmax", "LogSoftmax", "Sigmoid", "Tanh", "Erf"}
+PROMPT, NEW = 256, 32
+
+
+def _op_types(model: onnx.ModelProto) -> set[str]:
+    inlined = onnx.inliner.inline_local_functions(model)
+    types = set()
+
+    def walk(graph):
+        for node in graph.node:
+            types.add(node.op_type)
+            for attr in node.attribute:
+                if attr.g.node:
+                    walk(attr.g)
+                for g in attr.graphs:
+                    walk(g)
+    walk(inlined.graph)
+    return types
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3-moe"])
+def test_host_runner_matches_session(name, tmp_path):
+    kx = export_package()
+    model = zoo.build(name)
+    paths = kx.export_onnx(model, tmp_path, config=CONFIG, max_context=PROMPT + NEW)
+    for key in ("decode_step", "compressor"):
+        onnx.checker.check_model(onnx.load(paths[key]), full_check=True)
+        assert not any(op.domain not in ("", "ai.onnx") for op in onnx.load(paths[key]).opset_import)
+
+    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    runner = HostRunner(tmp_path)
+    tokens, logits = runner.generate(ids[0].numpy(), NEW, return_logits=True)
+
+    kvtopo.compile(model, inductor=False)
+    with kvtopo.session(CONFIG) as session:
+        ref_tokens, ref_logits = kvtopo.generate(model, ids, NEW, return_logits=True)
+        stats = session.stats()
+
+    assert tokens.tolist() == ref_tokens[0].tolist()
+    assert np.abs(logits - ref_logits[0].numpy()).max() < 1e-3
+    # Every phase really occurred, eviction kept some Mid pages whole, some partly, some not at all.
+    phases = {p.phase.value for layer in runner.layers for p in layer.pages}
+    assert phases == {"initial", "mid", "recent", "terminal"}
+    kept = [p.mid_rows for layer in runner.layers for p in layer.pages if p.mid_rows is not None]
+    assert 0 in kept and CONFIG.page_size in kept and any(0 < k < CONFIG.page_size for k in kept), kept
+    # The host holds the bytes the session reports (its pool's free slots aside).
+    assert runner.nbytes() == stats.total_bytes - stats.per_kind["free"]
+
+
+@pytest.fixture(scope="module")
+def compressor_file(tmp_path_factory):
+    onnx_export = export_module("onnx_export")
+    layout = export_module("layout").CacheLayout.build(
+        CONFIG, 256, layer_names=["l0"], scales=[0.25], heads=4, kv_heads=2, head_dim=16, value_head_dim=16,
+        vocab_size=32)
+    out = tmp_path_factory.mktemp("compressor")
+    module, args, ep = onnx_export.compressor_program(layout)
+    onnx_export._to_onnx(ep, args, out / "compressor.onnx", onnx_export.COMPRESSOR_INPUTS, onnx_export.COMPRESSOR_OUTPUTS)
+    return layout, module, out / "compressor.onnx"
+
+
+def _runtime_compress(keys, values, queries, keep, scale, kb, vb):
+    """What runtime.layer_cache does to a page entering Mid: policy score, top-k, MidSegment."""
+    policy = make_policy(CONFIG)
+    segment = MidSegment(policy.mid_encoding(), kb, vb, torch.float32)
+    if keep < keys.shape[1]:
+        scores = policy.score(ScoreInputs(keys, values, queries.half(), scale))
+        kept = scores.topk(keep, dim=-1).indices.sort(dim=-1).values
+    else:
+        kept = torch.arange(keys.shape[1]).expand(keys.shape[0], -1)
+    segment.append_page(keys.gather(1, kept[..., None].expand(-1, -1, 16)), values.gather(1, kept[..., None].expand(-1, -1, 16)))
+    k, v = segment.keys, segment.values
+    return kept, unpack(k.rows, k.bits, k.length), unpack(v.rows, v.bits, v.length), k.scale.float(), v.scale.float()
+
+
+def _per_head(codes_packed, bases, keep):
+    """Compressor codes [Hkv, P, R/2] (per head, padded) -> the runtime's [keep, sum of ranks]."""
+    codes = unpack(torch.from_numpy(codes_packed), 4, codes_packed.shape[-1] * 2)[:, :keep]  # [Hkv, keep, R]
+    return torch.cat([codes[h, :, :r] for h, r in enumerate(bases.ranks)], dim=1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compressor_matches_runtime(compressor_file, seed):
+    import onnxruntime as ort
+
+    layout, module, path = compressor_file
+    g = torch.Generator().manual_seed(seed)
+    P, R = layout.page_size, layout.rank_capacity
+    keys = torch.randn(2, P, 16, generator=g) * 2 + torch.randn(2, 1, 16, generator=g)
+    values = torch.randn(2, P, 16, generator=g)
+    history_k, history_v = torch.randn(2, 200, 16, generator=g) @ torch.randn(16, 16, generator=g), torch.randn(2, 200, 16, generator=g)
+    kb, vb = fit_bases(history_k, 0.9), fit_bases(history_v, 0.9)
+    # Observation queries as the session holds them (float16), keep = 1 .. P.
+    queries = (torch.randn(4, layout.observation_window, 16, generator=g) * 3).half().float()
+    keep = [1, 5, 9, 12, 15, P][seed]
+    pad = lambda b: torch.nn.functional.pad(b.vectors, (0, R - b.vectors.shape[-1]))  # noqa: E731
+    feeds = {"keys": keys, "values": values, "queries": queries, "num_queries": torch.tensor(queries.shape[1]),
+             "keep": torch.tensor(keep), "scale": torch.tensor(0.25), "key_vectors": pad(kb), "key_mean": kb.mean,
+             "value_vectors": pad(vb), "value_mean": vb.mean}
+    sess = ort.InferenceSession(str(path))
+    out = sess.run(None, {k: v.numpy() for k, v in feeds.items()})
+    eager = [t.numpy() for t in module(*feeds.values())]
+    kept, k_codes, v_codes, k_scale, v_scale = _runtime_compress(keys, values, queries, keep, 0.25, kb, vb)
+
+    for got in (out, eager):
+        assert (got[0][:, :keep] == kept.numpy()).all()
+        assert torch.equal(_per_head(got[1], kb, keep), k_codes)
+        assert torch.equal(_per_head(got[4], vb, keep), v_codes)
+        cols = lambda s, b: torch.cat([torch.from_numpy(s)[h, :r] for h, r in enumerate(b.ranks)])  # noqa: E731
+        assert torch.equal(cols(got[2], kb), k_scale[0]) and torch.equal(cols(got[5], vb), v_scale[0])
+
+
+def test_compressor_ties_go_to_lower_index(compressor_file):
+    layout, module, _ = compressor_file
+    kept = export_module("compressor").select_kept(torch.tensor([[0.0, 1.0, 0.0, 0.0, 1.0, 0.0]]), torch.tensor(4))
+    assert kept.tolist() == [[0, 1, 2, 4, 0, 0]]
+
+
+def test_compressor_onnx_is_exponential_free(compressor_file):
+    _, _, path = compressor_file
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)
+    types = _op_types(model)
+    assert not types & EXPONENTIAL_OPS, types & EXPONENTIAL_OPS
+    assert {"MatMul", "Relu", "ReduceMax"} <= types, types  # the score really is in the graph
+
+
+class _DropoutAttention(nn.Module):
+    """An attention kvtopo refuses (training dropout): export must say so."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 32)
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, input_ids, position_ids=None, use_cache=False):
+        q, k, v = self.qkv(self.embed(input_ids)).view(1, -1, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        return (F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True).sum(1),)
+
+
+def test_refused_sites_are_listed(tmp_path):
+    kx = export_package()
+    with pytest.raises(ValueError, match="refused") as err:
+        kx.export_onnx(_DropoutAttention().eval(), tmp_path, config=CONFIG, max_context=64)
+    assert "dropout" in str(err.value)
