@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from kvtopo.kernels.compressed_attention import _group, _softmax_lse, merge_partials, partial_dense
+from kvtopo.kernels.compressed_attention import _group
 from kvtopo.kernels.reference import chunk_causal_mask
 
 from .compressor import unpack_codes
@@ -61,6 +61,39 @@ class LayerCacheTensors:
 
     def as_tuple(self) -> tuple[Tensor, ...]:
         return tuple(getattr(self, n) for n in self.names())
+
+
+# The functions below are kernels.compressed_attention's partial_dense / _softmax_lse /
+# merge_partials, with `isfinite(m)` written as `m > -inf` (m is a max of logits: finite or -inf),
+# which every MLIR lowering has (torch-mlir lowers no aten.isfinite to linalg).
+def _finite_or_zero(m: Tensor) -> Tensor:
+    return torch.where(m > -float("inf"), m, torch.zeros_like(m))
+
+
+def _softmax_lse(logits: Tensor) -> tuple[Tensor, Tensor]:
+    m = _finite_or_zero(logits.amax(-1, keepdim=True))
+    p = torch.exp(logits - m)
+    total = p.sum(-1, keepdim=True)
+    lse = (m + total.log()).squeeze(-1)
+    return p / torch.where(total > 0, total, torch.ones_like(total)), lse
+
+
+def partial_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor) -> tuple[Tensor, Tensor]:
+    kv_heads, n, _ = k.shape
+    hq, t, _ = q.shape
+    logits = scale * (_group(q, kv_heads) @ k.float().transpose(1, 2))
+    logits = logits.view(kv_heads, -1, t, n).masked_fill(~mask, -float("inf")).view(kv_heads, -1, n)
+    p, lse = _softmax_lse(logits)
+    return (p @ v.float()).reshape(hq, t, -1), lse.reshape(hq, t)
+
+
+def merge_partials(parts) -> Tensor:
+    lse = torch.stack([part_lse for _, part_lse in parts])
+    m = _finite_or_zero(lse.amax(0))
+    weights = torch.exp(lse - m)
+    total = weights.sum(0)
+    out = sum(w.unsqueeze(-1) * part_out for w, (part_out, _) in zip(weights, parts))
+    return out / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
 
 
 def _valid(n: int, length: Tensor, t: int, device) -> Tensor:

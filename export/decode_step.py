@@ -137,7 +137,7 @@ class DecodeStep(nn.Module):
             elif "position_ids" in node.name:
                 self.arg_kinds.append("position_ids")
             elif isinstance(example, torch.Tensor):
-                self.register_buffer(f"const{i}", example.detach(), persistent=False)
+                self.register_buffer(f"const{i}", example.detach())
                 self.arg_kinds.append(f"const{i}")
             else:
                 raise ValueError(f"cannot export: graph input {node.name!r} is a {type(example).__name__}")
