@@ -1,0 +1,552 @@
+"""Fast decode attention (one query token per sequence) over a phased, compressed KV history.
+
+The runtime keeps one sequence-layer's history as exact pages (pool), int8 Recent pages and a
+contiguous Mid segment of packed low-bit coefficient codes (runtime/codecs.py). The torch
+reference (kernels/compressed_attention.py via ``LayerCache.segments``) dequantizes all of it to
+float32 every step. The fast path instead reads the codes as they are stored:
+
+* ``DecodeSegments`` gathers, per step, the tensors the runtime already holds: exact K/V
+  (Initial/Terminal pages plus the step's new token), Recent codes with their statistics, Mid
+  row codes with their per-page statistics, and the head bases. Nothing is decoded.
+* ``decode_attention(q [Hq, d], segs, scale)`` -> out [Hq, dv] dispatches: CUDA tensors go to
+  the Triton kernels (kernels/triton_decode.py); CPU tensors go to ``cpu_decode_attention``.
+* ``attend_cache(cache, seq, q, k_new, v_new, scale)`` is what ``Session._attend_one`` can call
+  for decode steps (T == 1): same semantics (history + the new token, exactly merged).
+
+CPU path: the Mid segment (where the bytes are) runs in a small C kernel compiled once with
+the system C compiler (``-O3 -march=native -fopenmp``) and called through ctypes: for every
+(kv-head, split of rows) it unpacks each row's codes in registers, dequantizes them with the
+page's statistics, dots them with the G projected queries of that kv-head, and accumulates the
+value coefficients with a two-pass softmax inside the split; splits and segments are merged by
+log-sum-exp. No [N, C] float matrix is ever built. Exact and Recent segments are a few pages:
+they use plain torch ops. When no C compiler is available, the Mid segment falls back to the
+torch reference (dequantize + ``partial_lowrank``), which is slower but identical in result.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import subprocess
+import tempfile
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .compressed_attention import LowRankHeads, merge_partials, partial_dense, partial_lowrank
+from .quant import Quantized, dequantize
+
+# -- inputs ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class RecentCodes:
+    """Recent pages of one sequence-layer, codes as stored (packed along the last dim).
+
+    k_codes [Hkv, Nr, ceil(dk*bits/8)] uint8 with per-page per-channel statistics
+    k_scale/k_offset [Hkv, Nr // page_size, dk]; v_codes [Hkv, Nr, ceil(dv*bits/8)] with
+    per-token statistics v_scale/v_offset [Hkv, Nr]. Statistics float32. Recent pages are always
+    full pages (only the last page of a sequence is partial, and it is Terminal), so token t's
+    key statistics are row t // page_size.
+    """
+
+    k_codes: Tensor
+    k_scale: Tensor
+    k_offset: Tensor
+    v_codes: Tensor
+    v_scale: Tensor
+    v_offset: Tensor
+    bits: int
+    page_size: int
+    dk: int
+    dv: int
+
+    @property
+    def tokens(self) -> int:
+        return self.k_codes.shape[1]
+
+    def decode(self) -> tuple[Tensor, Tensor]:
+        """float32 keys [Hkv, Nr, dk] and values [Hkv, Nr, dv] (reference/fallback only)."""
+        k_scale = self.k_scale.repeat_interleave(self.page_size, 1)[:, : self.tokens]
+        k_offset = self.k_offset.repeat_interleave(self.page_size, 1)[:, : self.tokens]
+        k = dequantize(Quantized(self.k_codes, k_scale, k_offset, self.bits, self.dk))
+        v = dequantize(Quantized(self.v_codes, self.v_scale[..., None], self.v_offset[..., None], self.bits, self.dv))
+        return k, v
+
+
+@dataclass(frozen=True, eq=False)
+class MidCodes:
+    """A projected Mid segment, codes as stored.
+
+    k_rows [N, ceil(Ck*k_bits/8)] uint8, codes of all kv-heads side by side (head h's columns
+    are k_starts[h] .. k_starts[h] + k_ranks[h]), first code in the low bits; k_scale/k_offset
+    [Pm, Ck] float32, one statistics row per page that kept rows; row_stat [N] int32: the
+    statistics row of each code row. Values alike. Bases: k_vectors [Hkv, dk, Rk] (zero beyond
+    each head's rank), k_mean [Hkv, dk]; v_vectors [Hkv, dv, Rv], v_mean [Hkv, dv], float32.
+    k_starts/k_ranks/v_starts/v_ranks: int32 [Hkv].
+    """
+
+    k_rows: Tensor
+    k_scale: Tensor
+    k_offset: Tensor
+    k_bits: int
+    k_starts: Tensor
+    k_ranks: Tensor
+    k_vectors: Tensor
+    k_mean: Tensor
+    v_rows: Tensor
+    v_scale: Tensor
+    v_offset: Tensor
+    v_bits: int
+    v_starts: Tensor
+    v_ranks: Tensor
+    v_vectors: Tensor
+    v_mean: Tensor
+    row_stat: Tensor
+
+    @property
+    def tokens(self) -> int:
+        return self.k_rows.shape[0]
+
+    def decode(self) -> tuple[LowRankHeads, LowRankHeads]:
+        """Dequantized coefficients as LowRankHeads (reference/fallback only)."""
+        idx = self.row_stat.long()
+        sides = []
+        for rows, scale, offset, bits, starts, ranks, vectors, mean in (
+            (self.k_rows, self.k_scale, self.k_offset, self.k_bits, self.k_starts, self.k_ranks,
+             self.k_vectors, self.k_mean),
+            (self.v_rows, self.v_scale, self.v_offset, self.v_bits, self.v_starts, self.v_ranks,
+             self.v_vectors, self.v_mean)):
+            width = scale.shape[1]
+            flat = dequantize(Quantized(rows, scale[idx], offset[idx], bits, width))  # [N, C]
+            heads, _, r_pad = vectors.shape
+            padded = flat.new_zeros(heads, flat.shape[0], r_pad)
+            for h in range(heads):
+                s, r = int(starts[h]), int(ranks[h])
+                padded[h, :, :r] = flat[:, s: s + r]
+            sides.append(LowRankHeads(padded, vectors.float(), mean.float()))
+        return sides[0], sides[1]
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeSegments:
+    """Everything one decode step of one sequence-layer attends to.
+
+    exact: (keys [Hkv, N0, dk], values [Hkv, N0, dv]) — Initial/Terminal pages plus the step's
+    new token (any float dtype); recent: RecentCodes; mid: MidCodes (projected, quantized);
+    mid_other: Mid stored another way (baseline policies: dense (keys, values) or float
+    coefficients as (LowRankHeads, LowRankHeads)) attended by the torch reference.
+    Any of them may be None (an empty phase).
+    """
+
+    exact: tuple[Tensor, Tensor] | None = None
+    recent: RecentCodes | None = None
+    mid: MidCodes | None = None
+    mid_other: tuple | None = None
+    mid_other_projected: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        for t in (self.exact and self.exact[0], self.recent and self.recent.k_codes,
+                  self.mid and self.mid.k_vectors):
+            if t is not None:
+                return t.shape[0]
+        if self.mid_other is not None:
+            first = self.mid_other[0]
+            return (first.vectors if isinstance(first, LowRankHeads) else first).shape[0]
+        raise ValueError("DecodeSegments holds no segment")
+
+
+# -- building from the runtime's store -------------------------------------------------------
+
+_STAT_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _row_stat(coded) -> Tensor:
+    """[N] int32 statistics row of every Mid code row, from page_rows (cached per buffer size)."""
+    hit = _STAT_CACHE.get(coded)
+    if hit is not None and hit[0] == coded.count:
+        return hit[1]
+    counts = coded.page_rows[coded.page_rows > 0].long()
+    idx = torch.repeat_interleave(torch.arange(counts.numel()), counts).to(torch.int32)
+    idx = idx.to(coded.rows.device)
+    _STAT_CACHE[coded] = (coded.count, idx)
+    return idx
+
+
+def _starts(ranks) -> tuple[Tensor, Tensor]:
+    r = torch.tensor(ranks, dtype=torch.int32)
+    return torch.cumsum(r, 0, dtype=torch.int32) - r, r
+
+
+def mid_codes(mid) -> MidCodes | None:
+    """MidCodes view of a runtime ``MidSegment`` that is projected and quantized (else None)."""
+    e = mid.encoding
+    if mid.tokens == 0 or not (e.project and e.key_bits and e.value_bits):
+        return None
+    dev = mid.keys.rows.device
+    ks, kr = _starts(mid.key_bases.ranks)
+    vs, vr = _starts(mid.value_bases.ranks)
+    return MidCodes(
+        mid.keys.rows, mid.keys.scale.float(), mid.keys.offset.float(), e.key_bits, ks.to(dev), kr.to(dev),
+        mid.key_bases.vectors.float(), mid.key_bases.mean.float(),
+        mid.values.rows, mid.values.scale.float(), mid.values.offset.float(), e.value_bits, vs.to(dev), vr.to(dev),
+        mid.value_bases.vectors.float(), mid.value_bases.mean.float(), _row_stat(mid.keys))
+
+
+def recent_codes(pages, page_size: int) -> RecentCodes | None:
+    """Stack the Recent pages' codes (a few pages: a small copy, nothing decoded)."""
+    pages = [p.recent for p in pages if p.recent is not None]
+    if not pages:
+        return None
+    k, v = pages[0].keys, pages[0].values
+    return RecentCodes(
+        torch.cat([p.keys.codes for p in pages], 1),
+        torch.cat([p.keys.scale.float() for p in pages], 1),
+        torch.cat([p.keys.offset.float() for p in pages], 1),
+        torch.cat([p.values.codes for p in pages], 1),
+        torch.cat([p.values.scale.float()[..., 0] for p in pages], 1),
+        torch.cat([p.values.offset.float()[..., 0] for p in pages], 1),
+        k.bits, page_size, k.length, v.length)
+
+
+def decode_segments(cache, seq: int, k_new: Tensor | None = None, v_new: Tensor | None = None) -> DecodeSegments:
+    """DecodeSegments of sequence ``seq`` in a runtime ``LayerCache``, plus the step's new
+    k/v [Hkv, 1, d] appended to the exact segment (the new token sees itself)."""
+    entry = cache.sequences.get(seq)
+    exact = None
+    if entry is not None and entry.length:
+        exact_pages = [p for p in entry.pages if p.slot is not None]
+        if exact_pages:
+            pool = cache.pool
+            ks = [pool.keys[p.slot, :, : p.tokens] for p in exact_pages]
+            vs = [pool.values[p.slot, :, : p.tokens] for p in exact_pages]
+            exact = (torch.cat(ks, 1), torch.cat(vs, 1))
+    if k_new is not None:
+        exact = (k_new, v_new) if exact is None else (torch.cat([exact[0], k_new], 1), torch.cat([exact[1], v_new], 1))
+    if entry is None:
+        return DecodeSegments(exact=exact)
+    recent = recent_codes(entry.pages, cache.config.page_size)
+    mid = other = None
+    if entry.mid is not None and entry.mid.tokens:
+        mid = mid_codes(entry.mid)
+        if mid is None:
+            other = entry.mid.attention_inputs()
+    return DecodeSegments(exact, recent, mid, other, cache.mid_encoding.project)
+
+
+def attend_cache(cache, seq: int, q: Tensor, k_new: Tensor, v_new: Tensor, scale: float) -> Tensor:
+    """Decode step of ``Session._attend_one``: q [Hq, 1, d] over the stored history of ``seq``
+    plus k_new/v_new [Hkv, 1, d]; returns [Hq, 1, dv] in q's dtype. Does not store the token
+    (the caller still calls ``cache.observe``/``cache.append``)."""
+    if q.shape[1] != 1:
+        raise ValueError(f"attend_cache is for decode steps (one query token), got {q.shape[1]}")
+    segs = decode_segments(cache, seq, k_new, v_new)
+    return decode_attention(q[:, 0], segs, scale)[:, None].to(q.dtype)
+
+
+# -- reference -------------------------------------------------------------------------------
+
+
+def reference_decode(q: Tensor, segs: DecodeSegments, scale: float, dtype=torch.float64) -> Tensor:
+    """Ground truth: every segment decoded to explicit K/V, one softmax, in ``dtype``."""
+    ks, vs = [], []
+    if segs.exact is not None:
+        ks.append(segs.exact[0].to(dtype))
+        vs.append(segs.exact[1].to(dtype))
+    if segs.recent is not None:
+        k, v = segs.recent.decode()
+        ks.append(k.to(dtype))
+        vs.append(v.to(dtype))
+    lowrank = segs.mid.decode() if segs.mid is not None else (
+        segs.mid_other if segs.mid_other_projected else None)
+    if lowrank is not None:
+        for side, out in zip(lowrank, (ks, vs)):
+            out.append(side.coefficients.to(dtype) @ side.vectors.to(dtype).transpose(1, 2) + side.mean.to(dtype)[:, None])
+    elif segs.mid_other is not None:
+        ks.append(segs.mid_other[0].to(dtype))
+        vs.append(segs.mid_other[1].to(dtype))
+    k, v = torch.cat(ks, 1), torch.cat(vs, 1)
+    hkv = k.shape[0]
+    qg = q.to(dtype).reshape(hkv, -1, q.shape[-1])
+    p = torch.softmax(scale * qg @ k.transpose(1, 2), -1)
+    return (p @ v).reshape(q.shape[0], -1)
+
+
+# -- dispatch --------------------------------------------------------------------------------
+
+
+def decode_attention(q: Tensor, segs: DecodeSegments, scale: float, out: Tensor | None = None) -> Tensor:
+    """Attention of q [Hq, d] (one token) over all segments -> [Hq, dv] float32.
+
+    CUDA tensors run the Triton kernels; CPU tensors the fused C kernel (or torch fallback)."""
+    if q.is_cuda:
+        from .triton_decode import triton_decode_attention
+
+        return triton_decode_attention(q, segs, scale, out=out)
+    result = cpu_decode_attention(q, segs, scale)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
+
+
+# -- CPU path --------------------------------------------------------------------------------
+
+
+def _dense_partial(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """(out [Hq, dv], lse [Hq]) of q [Hq, d] over k [Hkv, n, d], v [Hkv, n, dv], float32."""
+    out, lse = partial_dense(q[:, None], k, v, scale)
+    return out[:, 0], lse[:, 0]
+
+
+def cpu_decode_attention(q: Tensor, segs: DecodeSegments, scale: float) -> Tensor:
+    parts = []
+    if segs.exact is not None and segs.exact[0].shape[1]:
+        parts.append(_dense_partial(q, *segs.exact, scale))
+    if segs.recent is not None and segs.recent.tokens:
+        parts.append(_dense_partial(q, *segs.recent.decode(), scale))
+    if segs.mid is not None and segs.mid.tokens:
+        parts.append(mid_partial_cpu(q, segs.mid, scale))
+    elif segs.mid_other is not None:
+        attend = partial_lowrank if segs.mid_other_projected else partial_dense
+        out, lse = attend(q[:, None], *segs.mid_other, scale)
+        parts.append((out[:, 0], lse[:, 0]))
+    if not parts:
+        raise ValueError("decode attention over an empty history")
+    return merge_partials(parts)
+
+
+def mid_partial_cpu(q: Tensor, mid: MidCodes, scale: float) -> tuple[Tensor, Tensor]:
+    """(out [Hq, dv], lse [Hq]) of q [Hq, d] over a projected, quantized Mid segment."""
+    lib = _library()
+    hkv, dk, rk = mid.k_vectors.shape
+    dv, rv = mid.v_vectors.shape[1:]
+    hq = q.shape[0]
+    g = hq // hkv
+    qg = q.float().reshape(hkv, g, dk)
+    qp = (scale * (qg @ mid.k_vectors)).contiguous()  # [Hkv, G, Rk]
+    qb = (scale * (qg @ mid.k_mean[..., None]))[..., 0].contiguous()  # [Hkv, G]
+    if lib is None:
+        keys, values = mid.decode()
+        out, lse = partial_lowrank(q[:, None], keys, values, scale)
+        return out[:, 0], lse[:, 0]
+    n = mid.tokens
+    threads = torch.get_num_threads()
+    splits = max(1, min(-(-n // 512), -(-4 * threads // hkv)))
+    coef = torch.empty(hkv, splits, g, rv)
+    lse = torch.empty(hkv, splits, g)
+    t = [mid.k_rows, mid.k_scale, mid.k_offset, mid.k_starts, mid.k_ranks,
+         mid.v_rows, mid.v_scale, mid.v_offset, mid.v_starts, mid.v_ranks, mid.row_stat]
+    t = [x.contiguous() for x in t]
+    p = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
+    args = (p(t[0]), t[0].shape[1], p(t[1]), p(t[2]), t[1].shape[1], p(t[3]), p(t[4]), mid.k_bits,
+            p(t[5]), t[5].shape[1], p(t[6]), p(t[7]), t[6].shape[1], p(t[8]), p(t[9]), mid.v_bits,
+            p(t[10]), p(coef), p(lse))
+    tasks = hkv * splits
+    bounds = [tasks * i // threads for i in range(threads + 1)]
+    call = lambda a, b: lib.kvtopo_mid_decode(p(qp), p(qb), hkv, g, rk, rv, n, splits, a, b, *args)  # noqa: E731
+    if threads == 1 or tasks == 1:
+        call(0, tasks)
+    else:  # ctypes drops the GIL during the call: the worker threads run the C code in parallel
+        futures = [_pool(threads).submit(call, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
+        call(bounds[0], bounds[1])
+        for f in futures:
+            f.result()
+    # merge splits (coefficient domain, linear), then project back once per query head
+    m = lse.amax(1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m)  # [Hkv, S, G]
+    total = w.sum(1)
+    mixed = (w[..., None] * coef).sum(1) / total.clamp_min(1e-38)[..., None]  # [Hkv, G, Rv]
+    out = mixed @ mid.v_vectors.transpose(1, 2) + mid.v_mean[:, None]
+    return out.reshape(hq, dv), (m[:, 0] + total.log()).reshape(hq)
+
+
+_C_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLK 64
+
+/* Dequantize rows [n0, n0+nb) of one head's columns into dst[r * BLK + b] (transposed, so the
+   dot products below run along rows in SIMD); rows past nb are zero. */
+static inline void dequant_block(const uint8_t *rows, int bytes, const int *row_stat, const float *sc,
+                                 const float *of, int C, int start, int rank, const int bits, int n0, int nb,
+                                 float *dst) {
+    const int mask = (1 << bits) - 1;
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t *row = rows + (size_t)(n0 + b) * bytes;
+        size_t st = (size_t)row_stat[n0 + b] * C + start;
+        const float *s = sc + st, *o = of + st;
+        for (int r = 0; r < rank; ++r) {
+            int c = (start + r) * bits;
+            int code = bits == 8 ? row[start + r] : (row[c >> 3] >> (c & 7)) & mask;
+            dst[r * BLK + b] = o[r] + (float)code * s[r];
+        }
+    }
+    for (int r = 0; r < rank; ++r)
+        for (int b = nb; b < BLK; ++b) dst[r * BLK + b] = 0.f;
+}
+
+static void dequant_any(const uint8_t *rows, int bytes, const int *row_stat, const float *sc, const float *of,
+                        int C, int start, int rank, int bits, int n0, int nb, float *dst) {
+    if (bits == 8) dequant_block(rows, bytes, row_stat, sc, of, C, start, rank, 8, n0, nb, dst);
+    else if (bits == 4) dequant_block(rows, bytes, row_stat, sc, of, C, start, rank, 4, n0, nb, dst);
+    else dequant_block(rows, bytes, row_stat, sc, of, C, start, rank, 2, n0, nb, dst);
+}
+
+/* Tasks [task0, task1) of (kv-head h, split s) = h * S + s, each over rows [n0, n1) of its split:
+   pass 1 computes the G logits of every row from the key codes, pass 2 the softmax weights and
+   the weighted value coefficients. Writes coef [H, S, G, RV] (normalised within the split, zero
+   beyond the head's rank) and lse [H, S, G] (-inf, coef 0 for an empty split). */
+void kvtopo_mid_decode(const float *qp, const float *qb, int H, int G, int RK, int RV, int N, int S,
+                       int task0, int task1,
+                       const uint8_t *krows, int kbytes, const float *kscale, const float *koff, int kC,
+                       const int *kstarts, const int *kranks, int kbits,
+                       const uint8_t *vrows, int vbytes, const float *vscale, const float *voff, int vC,
+                       const int *vstarts, const int *vranks, int vbits,
+                       const int *row_stat, float *coef, float *lse) {
+    int per = (N + S - 1) / S;
+    int RMAX = RK > RV ? RK : RV;
+    float *tile = (float *)malloc(sizeof(float) * (size_t)(RMAX > 0 ? RMAX : 1) * BLK);
+    float *pb = (float *)malloc(sizeof(float) * (size_t)G * BLK);
+    float *m = (float *)malloc(sizeof(float) * G * 2);
+    float *l = m + G;
+    float *logits = NULL;
+    size_t logits_cap = 0;
+    for (int task = task0; task < task1; ++task) {
+        int h = task / S, s = task % S;
+        int n0 = s * per, n1 = n0 + per < N ? n0 + per : N;
+        int rk = kranks[h], rv = vranks[h], ks = kstarts[h], vs = vstarts[h];
+        float *acc = coef + ((size_t)(h * S + s) * G) * RV;
+        float *out_lse = lse + (size_t)(h * S + s) * G;
+        memset(acc, 0, sizeof(float) * G * RV);
+        if (n1 <= n0) {
+            for (int g = 0; g < G; ++g) out_lse[g] = -INFINITY;
+            continue;
+        }
+        int rows = n1 - n0;
+        size_t padded = (size_t)((rows + BLK - 1) / BLK) * BLK;
+        if (padded * G > logits_cap) {
+            free(logits);
+            logits_cap = padded * G;
+            logits = (float *)malloc(sizeof(float) * logits_cap);
+        }
+        const float *q = qp + (size_t)h * G * RK;
+        for (int g = 0; g < G; ++g) { m[g] = -INFINITY; l[g] = 0.f; }
+        for (int b0 = n0; b0 < n1; b0 += BLK) {
+            int nb = n1 - b0 < BLK ? n1 - b0 : BLK;
+            dequant_any(krows, kbytes, row_stat, kscale, koff, kC, ks, rk, kbits, b0, nb, tile);
+            for (int g = 0; g < G; ++g) {
+                float *lg = logits + (size_t)g * padded + (b0 - n0);
+                float base = qb[h * G + g];
+                for (int b = 0; b < BLK; ++b) lg[b] = base;
+                for (int r = 0; r < rk; ++r) {
+                    float qv = q[g * RK + r];
+                    const float *t = tile + r * BLK;
+                    for (int b = 0; b < BLK; ++b) lg[b] += qv * t[b];
+                }
+                float mx = m[g];
+                for (int b = 0; b < nb; ++b) mx = lg[b] > mx ? lg[b] : mx;
+                m[g] = mx;
+            }
+        }
+        for (int b0 = n0; b0 < n1; b0 += BLK) {
+            int nb = n1 - b0 < BLK ? n1 - b0 : BLK;
+            dequant_any(vrows, vbytes, row_stat, vscale, voff, vC, vs, rv, vbits, b0, nb, tile);
+            for (int g = 0; g < G; ++g) {
+                const float *lg = logits + (size_t)g * padded + (b0 - n0);
+                float *p = pb + g * BLK;
+                float mg = m[g], sum = 0.f;
+                for (int b = 0; b < BLK; ++b) p[b] = expf(lg[b] - mg);
+                for (int b = nb; b < BLK; ++b) p[b] = 0.f;
+                for (int b = 0; b < BLK; ++b) sum += p[b];
+                l[g] += sum;
+                float *a = acc + g * RV;
+                for (int r = 0; r < rv; ++r) {
+                    const float *t = tile + r * BLK;
+                    float d = 0.f;
+                    for (int b = 0; b < BLK; ++b) d += p[b] * t[b];
+                    a[r] += d;
+                }
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            float inv = 1.f / l[g];
+            for (int r = 0; r < rv; ++r) acc[g * RV + r] *= inv;
+            out_lse[g] = m[g] + logf(l[g]);
+        }
+    }
+    free(logits);
+    free(tile);
+    free(pb);
+    free(m);
+}
+"""
+
+_LIB = None
+_LIB_TRIED = False
+_POOL = None
+
+
+def _pool(threads: int):
+    global _POOL
+    if _POOL is None or _POOL._max_workers < threads - 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=max(1, threads - 1), thread_name_prefix="kvtopo-decode")
+    return _POOL
+
+_LIB_LOCK = threading.Lock()
+
+
+def _library():
+    """The compiled C kernel (built once per source and machine, cached on disk), or None."""
+    global _LIB, _LIB_TRIED
+    if _LIB_TRIED:
+        return _LIB
+    with _LIB_LOCK:
+        if _LIB_TRIED:
+            return _LIB
+        _LIB_TRIED = True
+        if os.environ.get("KVTOPO_NO_CKERNEL"):
+            return None
+        flags = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC"]
+        tag = hashlib.sha256((_C_SOURCE + " ".join(flags)).encode()).hexdigest()[:16]
+        root = Path(os.environ.get("KVTOPO_CACHE", Path.home() / ".cache" / "kvtopo"))
+        so = root / f"mid_decode_{tag}.so"
+        try:
+            if not so.exists():
+                root.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryDirectory(dir=root) as tmp:
+                    src = Path(tmp) / "mid_decode.c"
+                    src.write_text(_C_SOURCE)
+                    built = Path(tmp) / "mid_decode.so"
+                    cc = os.environ.get("CC", "cc")
+                    subprocess.run([cc, *flags, str(src), "-o", str(built), "-lm", "-lmvec"], check=True,
+                                   capture_output=True, timeout=120)
+                    os.replace(built, so)
+            lib = ctypes.CDLL(str(so))
+            i, f = ctypes.c_int, ctypes.c_void_p
+            lib.kvtopo_mid_decode.argtypes = [f, f, i, i, i, i, i, i, i, i,
+                                              f, i, f, f, i, f, f, i,
+                                              f, i, f, f, i, f, f, i,
+                                              f, f, f]
+            lib.kvtopo_mid_decode.restype = None
+            _LIB = lib
+        except (OSError, subprocess.SubprocessError):
+            _LIB = None
+        return _LIB
+
+
+def c_kernel_available() -> bool:
+    return _library() is not None
