@@ -1,0 +1,294 @@
+"""Triton split-K decode attention over kvtopo's mixed segments (one query token per sequence).
+
+Entry: ``triton_decode_attention(q [Hq, d], segs: DecodeSegments, scale, out=None) -> [Hq, dv]``
+(``kernels.fast_decode.decode_attention`` dispatches CUDA tensors here). The segments are what
+the runtime stores (see ``fast_decode.DecodeSegments``):
+
+* exact K/V [Hkv, N0, d] (any float dtype)            -> ``_dense_split_kernel`` (QUANT=False)
+* Recent codes (packed b-bit, keys per page/channel,
+  values per token statistics)                         -> ``_dense_split_kernel`` (QUANT=True)
+* Mid rows [N, ceil(C*b/8)] uint8, per-page stats,
+  head bases                                           -> ``_mid_split_kernel``
+
+Every kernel runs one program per (kv-head, split of tokens): the G query heads of a kv-head
+are the rows of one [G_PAD, ...] tile (GQA: keys/values are read once for the group). Codes are
+loaded as bytes and unpacked in registers (shift + mask; first code in the low bits), dequantized
+with their statistics and fed to ``tl.dot``; no dequantized K/V or coefficient matrix is written
+to memory. Mid logits are ``(scale * q @ B_k) . c_k + scale * q . mean_k`` and the Mid output is
+accumulated in the coefficient domain (``p @ c_v``) and projected back (``@ B_v^T + mean_v``)
+once per split on the host side of the kernel (a [G, Rv] x [Rv, dv] product per split). Each
+split writes its normalised output and log-sum-exp (an empty split writes 0 and -inf); all
+splits of all segments are merged exactly by log-sum-exp.
+
+Dots run in float32 with ``input_precision="ieee"`` (no TF32), so the kernels match the float64
+reference to float32 rounding (see tests/kernels/test_triton_decode.py for the bound).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .fast_decode import DecodeSegments, MidCodes, RecentCodes
+from .compressed_attention import partial_dense, partial_lowrank
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Tests set this to fill every scratch buffer with NaN first, proving the kernels write all of it.
+POISON_SCRATCH = False
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(max(1, x)))
+
+
+def _scratch(*shape, device) -> Tensor:
+    if POISON_SCRATCH:
+        return torch.full(shape, float("nan"), device=device)
+    return torch.empty(shape, device=device)
+
+
+@triton.jit
+def _unpack(ptr_row, cols, bits: tl.constexpr, mask_ok):
+    """Codes at columns ``cols`` of packed uint8 rows (``ptr_row`` broadcast against cols)."""
+    bitpos = cols * bits
+    byte = tl.load(ptr_row + (bitpos >> 3), mask=mask_ok, other=0).to(tl.int32)
+    return (byte >> (bitpos & 7)) & ((1 << bits) - 1)
+
+
+@triton.jit
+def _dense_split_kernel(
+    q_ptr, k_ptr, v_ptr,
+    ks_ptr, ko_ptr, vs_ptr, vo_ptr,
+    o_ptr, lse_ptr,
+    N, per_split, page_size,
+    stride_kh, stride_kn, stride_vh, stride_vn,
+    stride_ksh, stride_ksp, stride_vsh,
+    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    G_PAD: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, QUANT: tl.constexpr, BITS: tl.constexpr,
+):
+    h = tl.program_id(0)
+    s = tl.program_id(1)
+    S = tl.num_programs(1)
+    rg = tl.arange(0, G_PAD)
+    rdk = tl.arange(0, DK_PAD)
+    rdv = tl.arange(0, DV_PAD)
+    rn = tl.arange(0, BLOCK_N)
+    g_ok = rg < G
+    # q already scaled, [Hq, DK] float32, rows h*G .. h*G+G-1
+    q = tl.load(q_ptr + (h * G + rg)[:, None] * DK + rdk[None, :], mask=g_ok[:, None] & (rdk[None, :] < DK), other=0.0)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
+    n0 = s * per_split
+    n1 = tl.minimum(n0 + per_split, N)
+    for start in range(n0, n1, BLOCK_N):
+        n = start + rn
+        n_ok = n < n1
+        kmask = n_ok[:, None] & (rdk[None, :] < DK)
+        vmask = n_ok[:, None] & (rdv[None, :] < DV)
+        if QUANT:
+            kcode = _unpack(k_ptr + h * stride_kh + n[:, None] * stride_kn, rdk[None, :], BITS, kmask)
+            page = n // page_size
+            kst = h * stride_ksh + page[:, None] * stride_ksp + rdk[None, :]
+            k = tl.load(ko_ptr + kst, mask=kmask, other=0.0) + kcode.to(tl.float32) * tl.load(ks_ptr + kst, mask=kmask, other=0.0)
+        else:
+            k = tl.load(k_ptr + h * stride_kh + n[:, None] * stride_kn + rdk[None, :], mask=kmask, other=0.0).to(tl.float32)
+        logits = tl.dot(q, tl.trans(k), input_precision="ieee")
+        logits = tl.where(n_ok[None, :], logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(logits - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if QUANT:
+            vcode = _unpack(v_ptr + h * stride_vh + n[:, None] * stride_vn, rdv[None, :], BITS, vmask)
+            vsc = tl.load(vs_ptr + h * stride_vsh + n, mask=n_ok, other=0.0)
+            vof = tl.load(vo_ptr + h * stride_vsh + n, mask=n_ok, other=0.0)
+            v = vof[:, None] + vcode.to(tl.float32) * vsc[:, None]
+            v = tl.where(vmask, v, 0.0)
+        else:
+            v = tl.load(v_ptr + h * stride_vh + n[:, None] * stride_vn + rdv[None, :], mask=vmask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    seen = l_i > 0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    row = (h * S + s) * G + rg
+    tl.store(o_ptr + row[:, None] * DV + rdv[None, :], out, mask=g_ok[:, None] & (rdv[None, :] < DV))
+    tl.store(lse_ptr + row, lse, mask=g_ok)
+
+
+@triton.jit
+def _mid_split_kernel(
+    qp_ptr, qb_ptr,
+    kr_ptr, ks_ptr, ko_ptr, kstart_ptr, krank_ptr,
+    vr_ptr, vs_ptr, vo_ptr, vstart_ptr, vrank_ptr,
+    stat_ptr, o_ptr, lse_ptr,
+    N, per_split, k_bytes, v_bytes, KC, VC,
+    G: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr,
+    G_PAD: tl.constexpr, RK_PAD: tl.constexpr, RV_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+):
+    h = tl.program_id(0)
+    s = tl.program_id(1)
+    S = tl.num_programs(1)
+    rg = tl.arange(0, G_PAD)
+    rk_ = tl.arange(0, RK_PAD)
+    rv_ = tl.arange(0, RV_PAD)
+    rn = tl.arange(0, BLOCK_N)
+    g_ok = rg < G
+    k_rank = tl.load(krank_ptr + h)
+    k_start = tl.load(kstart_ptr + h)
+    v_rank = tl.load(vrank_ptr + h)
+    v_start = tl.load(vstart_ptr + h)
+    # projected, scaled query [Hkv, G, RK] and its mean term [Hkv, G]
+    qp = tl.load(qp_ptr + (h * G + rg)[:, None] * RK + rk_[None, :], mask=g_ok[:, None] & (rk_[None, :] < RK), other=0.0)
+    qb = tl.load(qb_ptr + h * G + rg, mask=g_ok, other=0.0)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, RV_PAD], tl.float32)
+    n0 = s * per_split
+    n1 = tl.minimum(n0 + per_split, N)
+    for start in range(n0, n1, BLOCK_N):
+        n = start + rn
+        n_ok = n < n1
+        st = tl.load(stat_ptr + n, mask=n_ok, other=0)
+        kmask = n_ok[:, None] & (rk_[None, :] < k_rank)
+        kcol = k_start + rk_[None, :]
+        kcode = _unpack(kr_ptr + n[:, None].to(tl.int64) * k_bytes, kcol, KBITS, kmask)
+        kst = st[:, None].to(tl.int64) * KC + kcol
+        ck = tl.load(ko_ptr + kst, mask=kmask, other=0.0) + kcode.to(tl.float32) * tl.load(ks_ptr + kst, mask=kmask, other=0.0)
+        logits = tl.dot(qp, tl.trans(ck), input_precision="ieee") + qb[:, None]
+        logits = tl.where(n_ok[None, :], logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(logits - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vmask = n_ok[:, None] & (rv_[None, :] < v_rank)
+        vcol = v_start + rv_[None, :]
+        vcode = _unpack(vr_ptr + n[:, None].to(tl.int64) * v_bytes, vcol, VBITS, vmask)
+        vst = st[:, None].to(tl.int64) * VC + vcol
+        cv = tl.load(vo_ptr + vst, mask=vmask, other=0.0) + vcode.to(tl.float32) * tl.load(vs_ptr + vst, mask=vmask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p, cv, input_precision="ieee")
+        m_i = m_new
+    seen = l_i > 0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    row = (h * S + s) * G + rg
+    tl.store(o_ptr + row[:, None] * RV + rv_[None, :], out, mask=g_ok[:, None] & (rv_[None, :] < RV))
+    tl.store(lse_ptr + row, lse, mask=g_ok)
+
+
+def _splits(n: int, heads: int, block: int, device: torch.device) -> tuple[int, int]:
+    """(splits, tokens per split): enough programs to fill the device, whole blocks per split."""
+    if device.type == "cuda":
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4
+    blocks = triton.cdiv(n, block)
+    splits = max(1, min(blocks, triton.cdiv(target, heads)))
+    per = triton.cdiv(blocks, splits) * block
+    return triton.cdiv(n, per), per
+
+
+def _block(device: torch.device) -> int:
+    return 64 if device.type == "cuda" and not INTERPRET else 16
+
+
+def dense_partial(q: Tensor, k: Tensor, v: Tensor, scale: float, recent: RecentCodes | None = None):
+    """Split partials of q [Hq, d] over exact k/v [Hkv, N, d] (or Recent codes): o [Hq, S, dv], lse [Hq, S]."""
+    if recent is not None:
+        k, v = recent.k_codes.contiguous(), recent.v_codes.contiguous()
+        hkv, n = k.shape[:2]
+        dk, dv = recent.dk, recent.dv
+        ks, ko = recent.k_scale.contiguous(), recent.k_offset.contiguous()
+        vs, vo = recent.v_scale.contiguous(), recent.v_offset.contiguous()
+        page, bits = recent.page_size, recent.bits
+    else:
+        k, v = k.contiguous(), v.contiguous()
+        hkv, n, dk = k.shape
+        dv = v.shape[-1]
+        ks = ko = vs = vo = k  # unused
+        page, bits = 1, 8
+    hq = q.shape[0]
+    g = hq // hkv
+    block = _block(q.device)
+    splits, per = _splits(n, hkv, block, q.device)
+    o = _scratch(hkv, splits, g, dv, device=q.device)
+    lse = _scratch(hkv, splits, g, device=q.device)
+    qs = (q.float() * scale).contiguous()
+    _dense_split_kernel[(hkv, splits)](
+        qs, k, v, ks, ko, vs, vo, o, lse,
+        n, per, page,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        ks.stride(0), ks.stride(1) if ks.dim() > 1 else 0, vs.stride(0),
+        G=g, DK=dk, DV=dv, G_PAD=_pow2(g), DK_PAD=_pow2(dk), DV_PAD=_pow2(dv),
+        BLOCK_N=block, QUANT=recent is not None, BITS=bits,
+    )
+    return o.transpose(1, 2).reshape(hq, splits, dv), lse.transpose(1, 2).reshape(hq, splits)
+
+
+def mid_partial(q: Tensor, mid: MidCodes, scale: float):
+    """Split partials of q [Hq, d] over a projected Mid segment: o [Hq, S, dv], lse [Hq, S]."""
+    hkv, dk, rk = mid.k_vectors.shape
+    dv, rv = mid.v_vectors.shape[1:]
+    hq = q.shape[0]
+    g = hq // hkv
+    n = mid.tokens
+    qg = q.float().reshape(hkv, g, dk)
+    qp = (scale * (qg @ mid.k_vectors.float())).contiguous()
+    qb = (scale * (qg @ mid.k_mean.float()[..., None]))[..., 0].contiguous()
+    block = _block(q.device)
+    splits, per = _splits(n, hkv, block, q.device)
+    coef = _scratch(hkv, splits, g, rv, device=q.device)
+    lse = _scratch(hkv, splits, g, device=q.device)
+    t = [x.contiguous() for x in (mid.k_rows, mid.k_scale, mid.k_offset, mid.v_rows, mid.v_scale, mid.v_offset)]
+    _mid_split_kernel[(hkv, splits)](
+        qp, qb, t[0], t[1], t[2], mid.k_starts, mid.k_ranks, t[3], t[4], t[5], mid.v_starts, mid.v_ranks,
+        mid.row_stat, coef, lse,
+        n, per, t[0].shape[1], t[3].shape[1], t[1].shape[1], t[4].shape[1],
+        G=g, RK=rk, RV=rv, G_PAD=_pow2(g), RK_PAD=_pow2(rk), RV_PAD=_pow2(rv),
+        BLOCK_N=block, KBITS=mid.k_bits, VBITS=mid.v_bits,
+    )
+    # each split is normalised (weights sum to one), so the mean goes back per split
+    out = coef @ mid.v_vectors.float().transpose(1, 2)[:, None] + mid.v_mean.float()[:, None, None]
+    return out.transpose(1, 2).reshape(hq, splits, dv), lse.transpose(1, 2).reshape(hq, splits)
+
+
+def merge_splits(parts, out: Tensor | None = None) -> Tensor:
+    """Exact log-sum-exp merge of split partials [(o [Hq, S_i, dv], lse [Hq, S_i]), ...]."""
+    o = torch.cat([p[0] for p in parts], 1)
+    lse = torch.cat([p[1] for p in parts], 1)
+    m = lse.amax(1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m)
+    total = w.sum(1, keepdim=True)
+    merged = (w[..., None] * o).sum(1) / torch.where(total > 0, total, torch.ones_like(total))
+    if out is None:
+        return merged
+    out.copy_(merged)
+    return out
+
+
+def triton_decode_attention(q: Tensor, segs: DecodeSegments, scale: float, out: Tensor | None = None) -> Tensor:
+    """Decode attention of q [Hq, d] over every segment with the Triton kernels -> [Hq, dv] float32."""
+    parts = []
+    if segs.exact is not None and segs.exact[0].shape[1]:
+        parts.append(dense_partial(q, *segs.exact, scale))
+    if segs.recent is not None and segs.recent.tokens:
+        parts.append(dense_partial(q, None, None, scale, recent=segs.recent))
+    if segs.mid is not None and segs.mid.tokens:
+        parts.append(mid_partial(q, segs.mid, scale))
+    elif segs.mid_other is not None:  # baseline Mid encodings: torch reference
+        attend = partial_lowrank if segs.mid_other_projected else partial_dense
+        o, lse = attend(q[:, None], *segs.mid_other, scale)
+        parts.append((o, lse))
+    if not parts:
+        raise ValueError("decode attention over an empty history")
+    return merge_splits(parts, out)
