@@ -15,6 +15,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvtopo.export.cli import _add_export
+
 
 class UsageError(Exception):
     """A bad command line: reported on stderr with exit status 2."""
@@ -75,7 +77,7 @@ def _positive_int(text: str) -> int:
 
 
 # -- the command ---------------------------------------------------------------------------------
-SUBCOMMANDS = (_add_inspect,)
+SUBCOMMANDS = (_add_inspect, _add_export)
 
 
 def build_parser() -> argparse.ArgumentParser:
