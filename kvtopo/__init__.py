@@ -12,5 +12,7 @@ from kvtopo.runtime.session import CacheStats, Session
 import kvtopo.kernels.ops  # noqa: E402,F401  (registers torch.ops.kvtopo.*)
 from kvtopo.api import compile, current_session, inspect, session  # noqa: E402
 from kvtopo.generate import generate  # noqa: E402
+from kvtopo import hf_cache  # noqa: E402
 
-__all__ = ["Config", "CacheStats", "Session", "compile", "current_session", "generate", "inspect", "session"]
+__all__ = ["Config", "CacheStats", "Session", "compile", "current_session", "generate", "hf_cache", "inspect",
+           "session"]
