@@ -351,9 +351,9 @@ def mid_partial_cpu(q: Tensor, mid: MidCodes, scale: float) -> tuple[Tensor, Ten
         return out[:, 0], lse[:, 0]
     n = mid.tokens
     threads = torch.get_num_threads()
-    splits = max(1, min(-(-n // 512), -(-4 * threads // hkv)))
-    coef = torch.empty(hkv, splits, g, rv)
-    lse = torch.empty(hkv, splits, g)
+    splits = max(1, min(-(-n // 1024), 2 * threads))
+    coef = torch.empty(splits, hkv, g, rv)
+    lse = torch.empty(splits, hkv, g)
     t = [mid.k_rows, mid.k_scale, mid.k_offset, mid.k_starts, mid.k_ranks,
          mid.v_rows, mid.v_scale, mid.v_offset, mid.v_starts, mid.v_ranks, mid.row_stat]
     t = [x.contiguous() for x in t]
@@ -361,7 +361,7 @@ def mid_partial_cpu(q: Tensor, mid: MidCodes, scale: float) -> tuple[Tensor, Ten
     args = (p(t[0]), t[0].shape[1], p(t[1]), p(t[2]), t[1].shape[1], p(t[3]), p(t[4]), mid.k_bits,
             p(t[5]), t[5].shape[1], p(t[6]), p(t[7]), t[6].shape[1], p(t[8]), p(t[9]), mid.v_bits,
             p(t[10]), p(coef), p(lse))
-    tasks = hkv * splits
+    tasks = splits
     bounds = [tasks * i // threads for i in range(threads + 1)]
     call = lambda a, b: lib.kvtopo_mid_decode(p(qp), p(qb), hkv, g, rk, rv, n, splits, a, b, *args)  # noqa: E731
     if threads == 1 or tasks == 1:
@@ -372,13 +372,13 @@ def mid_partial_cpu(q: Tensor, mid: MidCodes, scale: float) -> tuple[Tensor, Ten
         for f in futures:
             f.result()
     # merge splits (coefficient domain, linear), then project back once per query head
-    m = lse.amax(1, keepdim=True)
+    m = lse.amax(0, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(lse - m)  # [Hkv, S, G]
-    total = w.sum(1)
-    mixed = (w[..., None] * coef).sum(1) / total.clamp_min(1e-38)[..., None]  # [Hkv, G, Rv]
+    w = torch.exp(lse - m)  # [S, Hkv, G]
+    total = w.sum(0)
+    mixed = (w[..., None] * coef).sum(0) / total.clamp_min(1e-38)[..., None]  # [Hkv, G, Rv]
     out = mixed @ mid.v_vectors.transpose(1, 2) + mid.v_mean[:, None]
-    return out.reshape(hq, dv), (m[:, 0] + total.log()).reshape(hq)
+    return out.reshape(hq, dv), (m[0] + total.log()).reshape(hq)
 
 
 _C_SOURCE = r"""
@@ -387,121 +387,142 @@ _C_SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-#define BLK 64
-
-/* Dequantize rows [n0, n0+nb) of one head's columns into dst[r * BLK + b] (transposed, so the
-   dot products below run along rows in SIMD); rows past nb are zero. */
-static inline void dequant_block(const uint8_t *rows, int bytes, const int *row_stat, const float *sc,
-                                 const float *of, int C, int start, int rank, const int bits, int n0, int nb,
-                                 float *dst) {
-    const int mask = (1 << bits) - 1;
-    for (int b = 0; b < nb; ++b) {
-        const uint8_t *row = rows + (size_t)(n0 + b) * bytes;
-        size_t st = (size_t)row_stat[n0 + b] * C + start;
-        const float *s = sc + st, *o = of + st;
-        for (int r = 0; r < rank; ++r) {
-            int c = (start + r) * bits;
-            int code = bits == 8 ? row[start + r] : (row[c >> 3] >> (c & 7)) & mask;
-            dst[r * BLK + b] = o[r] + (float)code * s[r];
+/* All C codes of one row as floats (the row is short: sum of ranks codes). */
+static inline void unpack_row(const uint8_t *row, int C, int bits, float *u) {
+    if (bits == 8) {
+        for (int c = 0; c < C; ++c) u[c] = (float)row[c];
+    } else if (bits == 4) {
+        int nb = (C + 1) / 2;
+        for (int i = 0; i < nb; ++i) {
+            uint8_t b = row[i];
+            u[2 * i] = (float)(b & 15);
+            u[2 * i + 1] = (float)(b >> 4);
+        }
+    } else {
+        int nb = (C + 3) / 4;
+        for (int i = 0; i < nb; ++i) {
+            uint8_t b = row[i];
+            u[4 * i] = (float)(b & 3);
+            u[4 * i + 1] = (float)((b >> 2) & 3);
+            u[4 * i + 2] = (float)((b >> 4) & 3);
+            u[4 * i + 3] = (float)(b >> 6);
         }
     }
-    for (int r = 0; r < rank; ++r)
-        for (int b = nb; b < BLK; ++b) dst[r * BLK + b] = 0.f;
 }
 
-static void dequant_any(const uint8_t *rows, int bytes, const int *row_stat, const float *sc, const float *of,
-                        int C, int start, int rank, int bits, int n0, int nb, float *dst) {
-    if (bits == 8) dequant_block(rows, bytes, row_stat, sc, of, C, start, rank, 8, n0, nb, dst);
-    else if (bits == 4) dequant_block(rows, bytes, row_stat, sc, of, C, start, rank, 4, n0, nb, dst);
-    else dequant_block(rows, bytes, row_stat, sc, of, C, start, rank, 2, n0, nb, dst);
-}
-
-/* Tasks [task0, task1) of (kv-head h, split s) = h * S + s, each over rows [n0, n1) of its split:
-   pass 1 computes the G logits of every row from the key codes, pass 2 the softmax weights and
-   the weighted value coefficients. Writes coef [H, S, G, RV] (normalised within the split, zero
-   beyond the head's rank) and lse [H, S, G] (-inf, coef 0 for an empty split). */
+/* Splits [s0, s1) of the rows, every kv-head and query head at once. Statistics are per page,
+   so they are folded into the query (keys) or applied once per page to code sums (values):
+     logit = q.mean_k + sum_r q_r off_r + sum_r (q_r scale_r) code_r
+     sum_n p_n c_n = sum_pages (scale * sum_n p_n code_n + off * sum_n p_n)
+   Pass 1: logits of every row and query head, and their max; pass 2: softmax weights and
+   the weighted value coefficients. Writes coef [S, H, G, RV] (normalised within the split,
+   zero beyond each head's rank) and lse [S, H, G] (-inf and 0 for an empty split). */
 void kvtopo_mid_decode(const float *qp, const float *qb, int H, int G, int RK, int RV, int N, int S,
-                       int task0, int task1,
+                       int s0, int s1,
                        const uint8_t *krows, int kbytes, const float *kscale, const float *koff, int kC,
                        const int *kstarts, const int *kranks, int kbits,
                        const uint8_t *vrows, int vbytes, const float *vscale, const float *voff, int vC,
                        const int *vstarts, const int *vranks, int vbits,
                        const int *row_stat, float *coef, float *lse) {
+    int HG = H * G;
     int per = (N + S - 1) / S;
-    int RMAX = RK > RV ? RK : RV;
-    float *tile = (float *)malloc(sizeof(float) * (size_t)(RMAX > 0 ? RMAX : 1) * BLK);
-    float *pb = (float *)malloc(sizeof(float) * (size_t)G * BLK);
-    float *m = (float *)malloc(sizeof(float) * G * 2);
-    float *l = m + G;
-    float *logits = NULL;
-    size_t logits_cap = 0;
-    for (int task = task0; task < task1; ++task) {
-        int h = task / S, s = task % S;
+    int CM = (kC > vC ? kC : vC) + 8;
+    float *u = (float *)malloc(sizeof(float) * CM);
+    float *qs = (float *)malloc(sizeof(float) * (size_t)HG * (RK > 0 ? RK : 1));
+    float *bias = (float *)malloc(sizeof(float) * HG * 4);
+    float *m = bias + HG, *l = bias + 2 * HG, *P = bias + 3 * HG;
+    float *A = (float *)malloc(sizeof(float) * (size_t)HG * (RV > 0 ? RV : 1));
+    for (int s = s0; s < s1; ++s) {
         int n0 = s * per, n1 = n0 + per < N ? n0 + per : N;
-        int rk = kranks[h], rv = vranks[h], ks = kstarts[h], vs = vstarts[h];
-        float *acc = coef + ((size_t)(h * S + s) * G) * RV;
-        float *out_lse = lse + (size_t)(h * S + s) * G;
-        memset(acc, 0, sizeof(float) * G * RV);
+        float *acc = coef + (size_t)s * HG * RV;
+        float *out_lse = lse + (size_t)s * HG;
+        memset(acc, 0, sizeof(float) * (size_t)HG * RV);
         if (n1 <= n0) {
-            for (int g = 0; g < G; ++g) out_lse[g] = -INFINITY;
+            for (int i = 0; i < HG; ++i) out_lse[i] = -INFINITY;
             continue;
         }
-        int rows = n1 - n0;
-        size_t padded = (size_t)((rows + BLK - 1) / BLK) * BLK;
-        if (padded * G > logits_cap) {
-            free(logits);
-            logits_cap = padded * G;
-            logits = (float *)malloc(sizeof(float) * logits_cap);
-        }
-        const float *q = qp + (size_t)h * G * RK;
-        for (int g = 0; g < G; ++g) { m[g] = -INFINITY; l[g] = 0.f; }
-        for (int b0 = n0; b0 < n1; b0 += BLK) {
-            int nb = n1 - b0 < BLK ? n1 - b0 : BLK;
-            dequant_any(krows, kbytes, row_stat, kscale, koff, kC, ks, rk, kbits, b0, nb, tile);
-            for (int g = 0; g < G; ++g) {
-                float *lg = logits + (size_t)g * padded + (b0 - n0);
-                float base = qb[h * G + g];
-                for (int b = 0; b < BLK; ++b) lg[b] = base;
-                for (int r = 0; r < rk; ++r) {
-                    float qv = q[g * RK + r];
-                    const float *t = tile + r * BLK;
-                    for (int b = 0; b < BLK; ++b) lg[b] += qv * t[b];
+        float *logits = (float *)malloc(sizeof(float) * (size_t)(n1 - n0) * HG);
+        for (int i = 0; i < HG; ++i) m[i] = -INFINITY;
+        int cur = -1;
+        for (int n = n0; n < n1; ++n) {
+            int st = row_stat[n];
+            if (st != cur) {
+                cur = st;
+                for (int h = 0; h < H; ++h) {
+                    const float *sc = kscale + (size_t)st * kC + kstarts[h];
+                    const float *of = koff + (size_t)st * kC + kstarts[h];
+                    int rk = kranks[h];
+                    for (int g = 0; g < G; ++g) {
+                        int hg = h * G + g;
+                        const float *q = qp + (size_t)hg * RK;
+                        float b = qb[hg];
+                        for (int r = 0; r < rk; ++r) {
+                            qs[(size_t)hg * RK + r] = q[r] * sc[r];
+                            b += q[r] * of[r];
+                        }
+                        bias[hg] = b;
+                    }
                 }
-                float mx = m[g];
-                for (int b = 0; b < nb; ++b) mx = lg[b] > mx ? lg[b] : mx;
-                m[g] = mx;
             }
-        }
-        for (int b0 = n0; b0 < n1; b0 += BLK) {
-            int nb = n1 - b0 < BLK ? n1 - b0 : BLK;
-            dequant_any(vrows, vbytes, row_stat, vscale, voff, vC, vs, rv, vbits, b0, nb, tile);
-            for (int g = 0; g < G; ++g) {
-                const float *lg = logits + (size_t)g * padded + (b0 - n0);
-                float *p = pb + g * BLK;
-                float mg = m[g], sum = 0.f;
-                for (int b = 0; b < BLK; ++b) p[b] = expf(lg[b] - mg);
-                for (int b = nb; b < BLK; ++b) p[b] = 0.f;
-                for (int b = 0; b < BLK; ++b) sum += p[b];
-                l[g] += sum;
-                float *a = acc + g * RV;
-                for (int r = 0; r < rv; ++r) {
-                    const float *t = tile + r * BLK;
+            unpack_row(krows + (size_t)n * kbytes, kC, kbits, u);
+            float *lg = logits + (size_t)(n - n0) * HG;
+            for (int h = 0; h < H; ++h) {
+                const float *uh = u + kstarts[h];
+                int rk = kranks[h];
+                for (int g = 0; g < G; ++g) {
+                    int hg = h * G + g;
+                    const float *q = qs + (size_t)hg * RK;
                     float d = 0.f;
-                    for (int b = 0; b < BLK; ++b) d += p[b] * t[b];
-                    a[r] += d;
+                    for (int r = 0; r < rk; ++r) d += q[r] * uh[r];
+                    lg[hg] = bias[hg] + d;
+                }
+            }
+            for (int i = 0; i < HG; ++i) m[i] = lg[i] > m[i] ? lg[i] : m[i];
+        }
+        for (int i = 0; i < HG; ++i) { l[i] = 0.f; P[i] = 0.f; }
+        memset(A, 0, sizeof(float) * (size_t)HG * RV);
+        cur = row_stat[n0];
+        for (int n = n0; n <= n1; ++n) {
+            int st = n < n1 ? row_stat[n] : -1;
+            if (st != cur) {  /* flush the page's code sums through its statistics */
+                for (int h = 0; h < H; ++h) {
+                    const float *sc = vscale + (size_t)cur * vC + vstarts[h];
+                    const float *of = voff + (size_t)cur * vC + vstarts[h];
+                    int rv = vranks[h];
+                    for (int g = 0; g < G; ++g) {
+                        int hg = h * G + g;
+                        float *a = A + (size_t)hg * RV, *o = acc + (size_t)hg * RV;
+                        float pp = P[hg];
+                        for (int r = 0; r < rv; ++r) { o[r] += sc[r] * a[r] + of[r] * pp; a[r] = 0.f; }
+                        P[hg] = 0.f;
+                    }
+                }
+                cur = st;
+            }
+            if (n == n1) break;
+            unpack_row(vrows + (size_t)n * vbytes, vC, vbits, u);
+            float *lg = logits + (size_t)(n - n0) * HG;
+            for (int i = 0; i < HG; ++i) lg[i] = expf(lg[i] - m[i]);
+            for (int i = 0; i < HG; ++i) { l[i] += lg[i]; P[i] += lg[i]; }
+            for (int h = 0; h < H; ++h) {
+                const float *uh = u + vstarts[h];
+                int rv = vranks[h];
+                for (int g = 0; g < G; ++g) {
+                    int hg = h * G + g;
+                    float p = lg[hg];
+                    float *a = A + (size_t)hg * RV;
+                    for (int r = 0; r < rv; ++r) a[r] += p * uh[r];
                 }
             }
         }
-        for (int g = 0; g < G; ++g) {
-            float inv = 1.f / l[g];
-            for (int r = 0; r < rv; ++r) acc[g * RV + r] *= inv;
-            out_lse[g] = m[g] + logf(l[g]);
+        for (int i = 0; i < HG; ++i) {
+            float inv = 1.f / l[i];
+            for (int r = 0; r < RV; ++r) acc[(size_t)i * RV + r] *= inv;
+            out_lse[i] = m[i] + logf(l[i]);
         }
+        free(logits);
     }
-    free(logits);
-    free(tile);
-    free(pb);
-    free(m);
+    free(u); free(qs); free(bias); free(A);
 }
 """
 

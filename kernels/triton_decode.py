@@ -39,6 +39,8 @@ from .compressed_attention import partial_dense, partial_lowrank
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Tests set this to fill every scratch buffer with NaN first, proving the kernels write all of it.
 POISON_SCRATCH = False
+# Tests set this to force a split count (possibly more splits than token blocks: empty splits).
+FORCE_SPLITS: int | None = None
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -192,6 +194,8 @@ def _splits(n: int, heads: int, block: int, device: torch.device) -> tuple[int, 
     else:
         target = 4
     blocks = triton.cdiv(n, block)
+    if FORCE_SPLITS:
+        return FORCE_SPLITS, max(1, triton.cdiv(blocks, FORCE_SPLITS)) * block
     splits = max(1, min(blocks, triton.cdiv(target, heads)))
     per = triton.cdiv(blocks, splits) * block
     return triton.cdiv(n, per), per

@@ -1,0 +1,162 @@
+"""Triton decode kernels (run by the Triton interpreter on CPU) match a float64 reference.
+
+The reference decodes the *same stored data* (codes and statistics) to explicit K/V in float64
+and takes one softmax over all segments, so the only differences are float32 rounding in the
+kernels. Error bound (checked elementwise, per example), with u = 2**-24 the float32 unit
+roundoff, L = max over (query head, token) of scale * sum_i |q_i k_i| (the logit's absolute
+mass), N the tokens attended and V = max |v|:
+  * each logit is a float32 dot of length d (plus dequantization, one rounding per code, and
+    for Mid the projection q @ B, another length-d dot): error <= (2d + 8) u L;
+  * a logit error delta changes every softmax weight by a factor within exp(+-2 delta), so the
+    output moves by <= (exp(2 delta) - 1) V ~ 2 delta V;
+  * the weighted sums (online softmax over blocks, split merge) add <= (N + 64) u V.
+  So |out - ref| <= 4 u ((2d + 8) L + N + 64) V, with a factor 2 of slack over the first-order
+  sum. Observed errors are ~1e-7 relative, far inside it.
+Every output element is written: the output buffer and every scratch buffer are filled with NaN
+first, and the result must be finite.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton_decode (and its @triton.jit) is imported
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtopo.kernels import fast_decode
+from kvtopo.kernels import triton_decode
+
+if not triton_decode.INTERPRET:  # imported earlier in this process without the interpreter
+    triton_decode = importlib.reload(triton_decode)
+
+U = 2.0**-24
+
+
+def decoded_kv(segs):
+    """float64 K and V [Hkv, N, d] of every segment (what the reference attends to)."""
+    ks, vs = [], []
+    if segs.exact is not None:
+        ks.append(segs.exact[0].double())
+        vs.append(segs.exact[1].double())
+    if segs.recent is not None:
+        k, v = segs.recent.decode()
+        ks.append(k.double())
+        vs.append(v.double())
+    if segs.mid is not None:
+        for side, out in zip(segs.mid.decode(), (ks, vs)):
+            out.append(side.coefficients.double() @ side.vectors.double().transpose(1, 2) + side.mean.double()[:, None])
+    return torch.cat(ks, 1), torch.cat(vs, 1)
+
+
+def error_bound(q, segs, scale):
+    k, v = decoded_kv(segs)
+    hkv, n, d = k.shape
+    qg = q.double().abs().reshape(hkv, -1, d)
+    logit_mass = (scale * qg @ k.abs().transpose(1, 2)).max().item()
+    return 4 * U * ((2 * d + 8) * logit_mass + n + 64) * v.abs().max().item()
+
+
+@st.composite
+def segment_cases(draw):
+    kv_heads = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 4, 8]))
+    d = draw(st.sampled_from([64, 128]))
+    page = draw(st.sampled_from([4, 8, 16]))
+    exact = draw(st.sampled_from([0, 1, 3, 7, 33]))
+    recent_pages = draw(st.integers(0, 2))
+    mid_rows = tuple(draw(st.lists(st.integers(0, page), min_size=0, max_size=4)))
+    if exact + recent_pages + sum(mid_rows) == 0:
+        exact = 1
+    k_ranks = tuple(draw(st.lists(st.integers(0, 20), min_size=kv_heads, max_size=kv_heads)))
+    v_ranks = tuple(draw(st.lists(st.integers(0, 20), min_size=kv_heads, max_size=kv_heads)))
+    return dict(
+        kv_heads=kv_heads, group=group, dk=d, dv=d, exact=exact, recent_pages=recent_pages, page_size=page,
+        mid_page_rows=mid_rows or (0,), k_ranks=k_ranks, v_ranks=v_ranks,
+        recent_bits=draw(st.sampled_from([2, 4, 8])), mid_bits=draw(st.sampled_from([2, 4, 8])),
+        exact_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])), seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    monkeypatch.setattr(triton_decode, "POISON_SCRATCH", True)
+
+
+def run_kernel(q, segs, scale):
+    hq = q.shape[0]
+    dv = (segs.exact[1].shape[-1] if segs.exact is not None else
+          segs.recent.dv if segs.recent is not None else segs.mid.v_vectors.shape[1])
+    out = torch.full((hq, dv), float("nan"))
+    result = triton_decode.triton_decode_attention(q, segs, scale, out=out)
+    assert result is out
+    return out
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=segment_cases(), splits=st.sampled_from([None, 1, 3, 7]))
+def test_kernels_match_float64_reference(case, splits, poisoned, monkeypatch):
+    monkeypatch.setattr(triton_decode, "FORCE_SPLITS", splits)
+    segs = fast_decode.synthetic_segments(**case)
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    q = torch.randn(case["kv_heads"] * case["group"], case["dk"], generator=g)
+    scale = case["dk"] ** -0.5
+    out = run_kernel(q, segs, scale)
+    assert torch.isfinite(out).all(), "some output element was not written"
+    ref = fast_decode.reference_decode(q, segs, scale)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= error_bound(q, segs, scale), (err, error_bound(q, segs, scale))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_single_mid_page_only(bits, poisoned):
+    """Only a Mid segment of one page (odd row count), every bit width."""
+    segs = fast_decode.synthetic_segments(kv_heads=2, group=4, dk=64, dv=64, exact=0, recent_pages=0,
+                                          mid_page_rows=(7,), mid_bits=bits, seed=bits)
+    q = torch.randn(8, 64)
+    out = run_kernel(q, segs, 0.125)
+    ref = fast_decode.reference_decode(q, segs, 0.125)
+    assert (out.double() - ref).abs().max().item() <= error_bound(q, segs, 0.125)
+
+
+def test_empty_splits_write_zero_weight(poisoned, monkeypatch):
+    """More splits than token blocks: the empty splits must write lse=-inf and 0, not garbage."""
+    monkeypatch.setattr(triton_decode, "FORCE_SPLITS", 9)
+    segs = fast_decode.synthetic_segments(kv_heads=1, group=4, exact=3, recent_pages=1, page_size=4,
+                                          mid_page_rows=(2, 1))
+    q = torch.randn(4, 64)
+    o, lse = triton_decode.dense_partial(q, *segs.exact, 0.125)
+    assert o.shape[1] == 9 and torch.isfinite(o).all()
+    assert torch.isinf(lse[:, 1:]).all() and (o[:, 1:] == 0).all()
+    out = run_kernel(q, segs, 0.125)
+    ref = fast_decode.reference_decode(q, segs, 0.125)
+    assert (out.double() - ref).abs().max().item() <= error_bound(q, segs, 0.125)
+
+
+def test_matches_runtime_store():
+    """Segments taken from a real session's store (topo: int8 Recent, 4-bit projected Mid)."""
+    import kvtopo
+    from kvtopo.kernels.compressed_attention import merge_partials, partial_dense
+    from kvtopo.runtime.session import _history_partials
+
+    torch.manual_seed(0)
+    hkv, hq, d, n = 2, 8, 64, 300
+    k = torch.randn(hkv, n, d) @ torch.randn(d, d) * 0.3
+    v = torch.randn(hkv, n, d)
+    cfg = kvtopo.Config(page_size=8, sink_tokens=8, recent_tokens=16, target_ratio=None)
+    with kvtopo.session(cfg) as s:
+        s.attend("l", torch.randn(1, hq, n, d), k[None], v[None], None, d**-0.5)
+        cache = s.layers["l"]
+        q, kn, vn = torch.randn(hq, 1, d), torch.randn(hkv, 1, d), torch.randn(hkv, 1, d)
+        segs = fast_decode.decode_segments(cache, 0, kn, vn)
+        assert segs.mid is not None and segs.recent is not None
+        out = run_kernel(q[:, 0], segs, d**-0.5)
+        ref = merge_partials(_history_partials(q, cache.segments(0), d**-0.5)
+                             + [partial_dense(q, kn, vn, d**-0.5)])[:, 0]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert math.isfinite(out.sum().item())
