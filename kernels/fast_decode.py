@@ -14,13 +14,20 @@ float32 every step. The fast path instead reads the codes as they are stored:
   for decode steps (T == 1): same semantics (history + the new token, exactly merged).
 
 CPU path: the Mid segment (where the bytes are) runs in a small C kernel compiled once with
-the system C compiler (``-O3 -march=native -fopenmp``) and called through ctypes: for every
-(kv-head, split of rows) it unpacks each row's codes in registers, dequantizes them with the
-page's statistics, dots them with the G projected queries of that kv-head, and accumulates the
-value coefficients with a two-pass softmax inside the split; splits and segments are merged by
-log-sum-exp. No [N, C] float matrix is ever built. Exact and Recent segments are a few pages:
-they use plain torch ops. When no C compiler is available, the Mid segment falls back to the
-torch reference (dequantize + ``partial_lowrank``), which is slower but identical in result.
+the system C compiler (``-O3 -march=native -ffast-math``, cached under ~/.cache/kvtopo) and
+called through ctypes (which releases the GIL, so splits of rows run on torch's thread count
+of Python threads). For each split of 1024 rows and every kv-head at once it unpacks each
+row's packed codes in registers, folds the page's key statistics into the projected query
+(q_r * scale_r, q . offset: recomputed only when the page changes), so a logit is one short dot
+with the raw codes; a two-pass softmax within the split then accumulates the weighted value
+*codes* per page and applies the page's value statistics once per page. Splits and segments
+are merged by log-sum-exp; the Mid output is projected back (``@ B_v^T + mean_v``) once per
+query head. No [N, C] float matrix is ever built: the kernel reads N * C * bits / 8 bytes of
+codes plus one statistics row per page. Exact and Recent segments are a few pages: they use
+plain torch ops. Without a C compiler the Mid segment falls back to the torch reference
+(dequantize + ``partial_lowrank``): slower, same result.
+
+Measured (bench/decode_speed.py, 1 thread, shared 2-core machine): see bench/results.
 """
 
 from __future__ import annotations
@@ -351,7 +358,7 @@ def mid_partial_cpu(q: Tensor, mid: MidCodes, scale: float) -> tuple[Tensor, Ten
         return out[:, 0], lse[:, 0]
     n = mid.tokens
     threads = torch.get_num_threads()
-    splits = max(1, min(-(-n // 1024), 2 * threads))
+    splits = max(1, -(-n // 1024))  # 1024 rows a split: its logits stay in L2
     coef = torch.empty(splits, hkv, g, rv)
     lse = torch.empty(splits, hkv, g)
     t = [mid.k_rows, mid.k_scale, mid.k_offset, mid.k_starts, mid.k_ranks,
