@@ -199,6 +199,19 @@ def _row_stat(coded) -> Tensor:
     return idx
 
 
+_F32_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _stats_f32(coded) -> tuple[Tensor, Tensor]:
+    """float32 (scale, offset) of a CodedRows (stored float16), converted once per append."""
+    hit = _F32_CACHE.get(coded)
+    if hit is not None and hit[0] == coded.count and hit[1] is coded.scale:
+        return hit[2]
+    pair = (coded.scale.float().contiguous(), coded.offset.float().contiguous())
+    _F32_CACHE[coded] = (coded.count, coded.scale, pair)
+    return pair
+
+
 def _starts(ranks) -> tuple[Tensor, Tensor]:
     r = torch.tensor(ranks, dtype=torch.int32)
     return torch.cumsum(r, 0, dtype=torch.int32) - r, r
@@ -213,9 +226,9 @@ def mid_codes(mid) -> MidCodes | None:
     ks, kr = _starts(mid.key_bases.ranks)
     vs, vr = _starts(mid.value_bases.ranks)
     return MidCodes(
-        mid.keys.rows, mid.keys.scale.float(), mid.keys.offset.float(), e.key_bits, ks.to(dev), kr.to(dev),
+        mid.keys.rows, *_stats_f32(mid.keys), e.key_bits, ks.to(dev), kr.to(dev),
         mid.key_bases.vectors.float(), mid.key_bases.mean.float(),
-        mid.values.rows, mid.values.scale.float(), mid.values.offset.float(), e.value_bits, vs.to(dev), vr.to(dev),
+        mid.values.rows, *_stats_f32(mid.values), e.value_bits, vs.to(dev), vr.to(dev),
         mid.value_bases.vectors.float(), mid.value_bases.mean.float(), _row_stat(mid.keys))
 
 
