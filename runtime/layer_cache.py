@@ -93,8 +93,11 @@ class LayerCache:
         return entry.length if entry else 0
 
     def observe(self, seq: int, queries: torch.Tensor) -> None:
-        """Remember the latest `observation_window` queries [Hq, T, d]: eviction scores use them."""
+        """Remember the latest `observation_window` queries [Hq, T, d]: eviction scores use them
+        (policies that never evict hold none)."""
         entry = self.sequences.setdefault(seq, SequenceKV())
+        if not self.mid_encoding.evict:
+            return
         window = self.config.observation_window
         # float16 is plenty for ranking tokens, and halves what the window costs to hold.
         recent = queries[:, -window:].detach().to(torch.float16)
@@ -115,10 +118,12 @@ class LayerCache:
         written = 0
         while written < n:
             if not entry.pages or entry.pages[-1].tokens == P:
-                # Settle as each page opens, so a long chunk never holds more exact pages than
-                # the lifecycle allows: the pool stays at Initial + Recent + Terminal pages.
-                entry.pages.append(Page(Phase.TERMINAL, slot=pool.allocate()))
+                # Settle as each page opens, before it takes a slot, so a long chunk never holds
+                # more exact pages than the lifecycle allows: freed slots are reused at once.
+                entry.pages.append(Page(Phase.TERMINAL))
                 self._settle(entry, max(0, len(entry.pages) - 2 - self.plan.recent_pages))
+                entry.pages[-1].slot = pool.allocate()
+                self._refresh_block_table(entry)
             page = entry.pages[-1]
             take = min(P - page.tokens, n - written)
             pool.keys[page.slot, :, page.tokens: page.tokens + take] = key[:, written: written + take]
@@ -264,7 +269,8 @@ class LayerCache:
 
     # -- accounting ----------------------------------------------------------------------------
     def _page_nbytes(self, page: Page) -> int:
-        if page.slot is not None:
+        # A Terminal page costs a full exact slot, also while it is opening and has none yet.
+        if page.slot is not None or page.phase is Phase.TERMINAL:
             return self.pool.page_nbytes
         return page.recent.nbytes if page.recent else 0
 

@@ -25,7 +25,7 @@ class PagePool:
         dtype: torch.dtype,
         device: torch.device,
         max_pages: int | None = None,
-        grow_by: int = 4,
+        grow_by: int = 1,
     ):
         self.page_size = page_size
         self.max_pages = max_pages
@@ -66,7 +66,8 @@ class PagePool:
 
     def _grow(self) -> None:
         old = self.capacity
-        new = old + max(self.grow_by, old // 4)
+        # Small steps keep free slots (which count as held bytes) few; 1/8 keeps copies amortised.
+        new = old + max(self.grow_by, old // 8)
         if self.max_pages is not None:
             new = min(new, self.max_pages)
         if new <= old:

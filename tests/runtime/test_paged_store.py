@@ -93,5 +93,6 @@ def test_nbytes_are_the_held_tensors():
     kinds = cache.nbytes()
     live = kinds["initial"] + kinds["terminal"]
     assert live + kinds["free"] == cache.pool.keys.nbytes + cache.pool.values.nbytes
-    assert kinds["metadata"] == cache.sequences[0].block_table.nbytes + cache.sequences[0].observation.nbytes
+    assert cache.sequences[0].observation is None  # a policy that never evicts keeps no queries
+    assert kinds["metadata"] == cache.sequences[0].block_table.nbytes
     assert live == 2 * 2 * 2 * 4 * 4 * 4  # 2 live pages x (k, v) x heads x page x dim x fp32 bytes
