@@ -207,16 +207,17 @@ class LayerCache:
     def _evict(self, entry: SequenceKV, page: Page, keys: torch.Tensor, values: torch.Tensor):
         if not self.mid_encoding.evict:
             return keys, values
-        budget = self._budget(entry)
         tokens = keys.shape[1]
-        if budget is None:
-            return keys, values
-        room = budget - (self.sequence_nbytes(entry) - self._page_nbytes(page))
-        shape = (keys.shape[0], keys.shape[-1], 0 if values is None else values.shape[-1])
-        keep = tokens
-        while keep > 0 and entry.mid.page_nbytes(keep, *shape) > room:
-            keep -= 1
-        if keep == 0 and room < 0 and self.config.over_budget == "raise":
+        cap = self.mid_encoding.max_tokens
+        keep = tokens if cap is None else min(cap, tokens)
+        budget = self._budget(entry)
+        room = None
+        if budget is not None:
+            room = budget - (self.sequence_nbytes(entry) - self._page_nbytes(page))
+            shape = (keys.shape[0], keys.shape[-1], 0 if values is None else values.shape[-1])
+            while keep > 0 and entry.mid.page_nbytes(keep, *shape) > room:
+                keep -= 1
+        if keep == 0 and room is not None and room < 0 and self.config.over_budget == "raise":
             raise BudgetExceeded(
                 f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {entry.length} tokens: "
                 f"the exact/Recent pages and metadata already hold {budget - room:.0f} bytes; "
@@ -224,6 +225,8 @@ class LayerCache:
             )
         if keep == tokens:
             return keys, values
+        if keep == 0:
+            return keys[:, :0], None if values is None else values[:, :0]
         shown_values = values if values is not None else keys[..., : self.shared_value_dim]
         scores = self.policy.score(ScoreInputs(keys, shown_values, entry.observation, self.scale, page.mass))
         kept = scores.topk(keep, dim=-1).indices.sort(dim=-1).values  # [Hkv, keep]

@@ -20,12 +20,14 @@ class MidEncoding:
     project: keys/values are stored as coefficients on the head's principal directions.
     key_bits / value_bits: low-bit codes (2/4/8) of what is stored; None keeps floats
     (the cache dtype, or float16 for projected coefficients).
+    max_tokens: a cap on each Mid page's survivors independent of any budget (StreamingLLM: 0).
     """
 
     evict: bool = False
     project: bool = False
     key_bits: int | None = None
     value_bits: int | None = None
+    max_tokens: int | None = None  # survivors per Mid page at most, whatever the budget (0: drop)
 
     @property
     def identity(self) -> bool:
