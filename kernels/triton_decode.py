@@ -54,14 +54,6 @@ def _scratch(*shape, device) -> Tensor:
 
 
 @triton.jit
-def _unpack(ptr_row, cols, bits: tl.constexpr, mask_ok):
-    """Codes at columns ``cols`` of packed uint8 rows (``ptr_row`` broadcast against cols)."""
-    bitpos = cols * bits
-    byte = tl.load(ptr_row + (bitpos >> 3), mask=mask_ok, other=0).to(tl.int32)
-    return (byte >> (bitpos & 7)) & ((1 << bits) - 1)
-
-
-@triton.jit
 def _dense_split_kernel(
     q_ptr, k_ptr, v_ptr,
     ks_ptr, ko_ptr, vs_ptr, vo_ptr,
@@ -94,7 +86,9 @@ def _dense_split_kernel(
         kmask = n_ok[:, None] & (rdk[None, :] < DK)
         vmask = n_ok[:, None] & (rdv[None, :] < DV)
         if QUANT:
-            kcode = _unpack(k_ptr + h * stride_kh + n[:, None] * stride_kn, rdk[None, :], BITS, kmask)
+            kbit = rdk[None, :] * BITS  # packed codes: byte bit//8, shift bit%8, first code low
+            kbyte = tl.load(k_ptr + h * stride_kh + n[:, None] * stride_kn + (kbit >> 3), mask=kmask, other=0)
+            kcode = (kbyte.to(tl.int32) >> (kbit & 7)) & ((1 << BITS) - 1)
             page = n // page_size
             kst = h * stride_ksh + page[:, None] * stride_ksp + rdk[None, :]
             k = tl.load(ko_ptr + kst, mask=kmask, other=0.0) + kcode.to(tl.float32) * tl.load(ks_ptr + kst, mask=kmask, other=0.0)
@@ -108,7 +102,9 @@ def _dense_split_kernel(
         p = tl.exp(logits - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if QUANT:
-            vcode = _unpack(v_ptr + h * stride_vh + n[:, None] * stride_vn, rdv[None, :], BITS, vmask)
+            vbit = rdv[None, :] * BITS
+            vbyte = tl.load(v_ptr + h * stride_vh + n[:, None] * stride_vn + (vbit >> 3), mask=vmask, other=0)
+            vcode = (vbyte.to(tl.int32) >> (vbit & 7)) & ((1 << BITS) - 1)
             vsc = tl.load(vs_ptr + h * stride_vsh + n, mask=n_ok, other=0.0)
             vof = tl.load(vo_ptr + h * stride_vsh + n, mask=n_ok, other=0.0)
             v = vof[:, None] + vcode.to(tl.float32) * vsc[:, None]
@@ -162,7 +158,9 @@ def _mid_split_kernel(
         st = tl.load(stat_ptr + n, mask=n_ok, other=0)
         kmask = n_ok[:, None] & (rk_[None, :] < k_rank)
         kcol = k_start + rk_[None, :]
-        kcode = _unpack(kr_ptr + n[:, None].to(tl.int64) * k_bytes, kcol, KBITS, kmask)
+        kbit = kcol * KBITS
+        kbyte = tl.load(kr_ptr + n[:, None].to(tl.int64) * k_bytes + (kbit >> 3), mask=kmask, other=0)
+        kcode = (kbyte.to(tl.int32) >> (kbit & 7)) & ((1 << KBITS) - 1)
         kst = st[:, None].to(tl.int64) * KC + kcol
         ck = tl.load(ko_ptr + kst, mask=kmask, other=0.0) + kcode.to(tl.float32) * tl.load(ks_ptr + kst, mask=kmask, other=0.0)
         logits = tl.dot(qp, tl.trans(ck), input_precision="ieee") + qb[:, None]
@@ -174,7 +172,9 @@ def _mid_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         vmask = n_ok[:, None] & (rv_[None, :] < v_rank)
         vcol = v_start + rv_[None, :]
-        vcode = _unpack(vr_ptr + n[:, None].to(tl.int64) * v_bytes, vcol, VBITS, vmask)
+        vbit = vcol * VBITS
+        vbyte = tl.load(vr_ptr + n[:, None].to(tl.int64) * v_bytes + (vbit >> 3), mask=vmask, other=0)
+        vcode = (vbyte.to(tl.int32) >> (vbit & 7)) & ((1 << VBITS) - 1)
         vst = st[:, None].to(tl.int64) * VC + vcol
         cv = tl.load(vo_ptr + vst, mask=vmask, other=0.0) + vcode.to(tl.float32) * tl.load(vs_ptr + vst, mask=vmask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p, cv, input_precision="ieee")
