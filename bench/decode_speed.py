@@ -97,7 +97,11 @@ def main() -> None:
                     help="torch/kernel threads for every method (1: stable on a shared 2-core box)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", type=Path, default=RESULTS / "decode_speed.json")
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out's JSON")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(args.out.read_text())["rows"], args.out.with_suffix(".png"))
+        return
     lengths = sorted(args.lengths or (QUICK if args.quick else LENGTHS))
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -254,18 +258,23 @@ def plot(rows: list[dict], path: Path) -> None:
         print("matplotlib not installed: no plot")
         return
     tokens = [r["tokens"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for m, style in (("dense_fp32", "o-"), ("dense_bf16", "s-"), ("default", "^-"), ("8x", "v-")):
-        ax.plot(tokens, [r[m]["median_ms"] for r in rows], style, label=m if m.startswith("dense") else f"kvtopo {m}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context tokens")
-    ax.set_ylabel("decode attention per layer, median ms")
-    ax.set_title("Llama-3-8B layer (32q/8kv, d=128), CPU, one decode step")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    panels = [("median_ms", "wall time, median ms")]
+    if "cpu_median_ms" in rows[0]["dense_fp32"]:
+        panels.append(("cpu_median_ms", "CPU time of the thread, median ms"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
+        for m, style in (("dense_fp32", "o-"), ("dense_bf16", "s-"), ("default", "^-"), ("8x", "v-")):
+            name = m if m.startswith("dense") else f"kvtopo {m} (~{rows[-1][m]['ratio_vs_fp16']:.0f}x vs fp16)"
+            ax.plot(tokens, [r[m][key] for r in rows], style, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle("Decode attention per layer: Llama-3-8B layer (32q/8kv, d=128), CPU, 1 thread")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
