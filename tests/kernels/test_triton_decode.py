@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 
 from kvtopo.kernels import fast_decode
 from kvtopo.kernels import triton_decode
+from kvtopo.kernels.quant import quantize
 
 in_process = pytest.mark.skipif(PREIMPORTED, reason="triton was imported without the interpreter: "
                                 "covered by test_in_fresh_interpreter_process")
@@ -180,3 +181,41 @@ def test_matches_runtime_store():
                              + [partial_dense(q, kn, vn, d**-0.5)])[:, 0]
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     assert math.isfinite(out.sum().item())
+
+
+# -- page compressor (kernels/triton_compress.py) ----------------------------------------------
+
+
+@in_process
+@settings(max_examples=12, deadline=None)
+@given(kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 4, 8]), window=st.integers(1, 9),
+       tokens=st.sampled_from([1, 5, 16, 32]), d=st.sampled_from([64, 128]), bits=st.sampled_from([2, 4, 8]),
+       seed=st.integers(0, 2**16))
+def test_page_compressor_matches_torch(kv_heads, group, window, tokens, d, bits, seed):
+    from kvtopo.kernels import triton_compress
+    from kvtopo.kernels.quant import unpack
+    from kvtopo.kernels.scoring import expfree_scores
+    from kvtopo.runtime.codecs import fit_bases
+
+    g = torch.Generator().manual_seed(seed)
+    q_obs = torch.randn(kv_heads * group, window, d, generator=g).half()
+    history = torch.randn(kv_heads, 96, d, generator=g) @ torch.randn(d, d, generator=g) * 0.2 + 1.0
+    page = history[:, :tokens]
+    # score: float32 dots of length d; margin-clipped sums over the group's rows
+    ours = triton_compress.expfree_scores_triton(q_obs, page, d**-0.5)
+    ref = expfree_scores(q_obs, page, d**-0.5)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5 * (1 + ref.abs().max().item()))
+    # projection + per-page quantization, as CodedRows.append stores a projected page
+    bases = fit_bases(history, 0.9)
+    codes, scale, offset = triton_compress.project_quantize_triton(page, bases.vectors, bases.mean, bases.ranks, bits)
+    coef = bases.project(page)
+    want = quantize(coef, bits, reduce_dim=0)
+    c = sum(bases.ranks)
+    assert codes.shape == want.codes.shape and scale.shape == (1, c)
+    diff = unpack(codes, bits, c).int() - unpack(want.codes, bits, c).int()
+    assert diff.abs().max().item() <= 1  # only where a coefficient sits within rounding of a level boundary
+    levels = (1 << bits) - 1
+    recon = offset.float() + unpack(codes, bits, c).float() * scale.float()
+    ideal = (coef.amax(0) - coef.amin(0)) / levels
+    bound = (1 + 2.0**-6) * ideal / 2 + 1e-5 * (1 + coef.abs().amax(0))
+    assert ((recon - coef).abs() <= bound).all()
