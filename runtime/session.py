@@ -15,6 +15,7 @@ import torch
 
 from kvtopo.config import Config
 from kvtopo.kernels.compressed_attention import merge_partials, partial_dense, partial_lowrank
+from kvtopo.kernels.fast_decode import attend_cache
 from kvtopo.kernels.reference import chunk_causal_mask, grouped_attention
 
 from . import context
@@ -133,8 +134,14 @@ class Session:
 
     def _attend_one(self, cache: LayerCache, seq: int, q, k, v, scale: float) -> torch.Tensor:
         """Attend q [Hq, T, d] over [stored history ; new chunk], then store the chunk."""
-        segments = cache.segments(seq)
         tracks_mass = self.policy.tracks_attention_mass
+        if q.shape[1] == 1 and cache.length(seq) and not tracks_mass and not cache.shared_value_dim:
+            # Decode step: read the stored codes directly (C kernel on CPU, Triton on CUDA).
+            out = attend_cache(cache, seq, q, k, v, scale)
+            cache.observe(seq, q)
+            cache.append(seq, k, v[..., :0] if cache.shared_value_dim else v)
+            return out
+        segments = cache.segments(seq)
         if segments is None or (segments.only_exact and not tracks_mass):
             past = segments.exact if segments is not None else None
             keys = k if past is None else torch.cat([past[0], k], dim=1)
