@@ -23,8 +23,6 @@ from kvtopo.runtime.policies.snapkv import max_pool_tokens
 
 BASELINES = ("streaming", "snapkv", "h2o", "knorm", "kivi", "palu")
 EVICTING = ("snapkv", "h2o", "knorm")
-# Until the store caps Mid survivors (MidEncoding.max_tokens), StreamingLLM needs a budget
-# nothing in Mid fits to drop Mid pages whole.
 
 
 def _kv(n, heads=2, dim=16, seed=0, dtype=torch.float32):
@@ -452,3 +450,55 @@ def test_non_evicting_baselines_report_a_budget_they_cannot_meet(name, fields):
     assert s.stats().budget_missed and s.stats().per_kind["mid"] > 0
     s, _ = _run(Config(policy=name, page_size=16, target_ratio=None, **fields), q, k, v, chunks=[300, 300])
     assert not s.stats().budget_missed
+
+
+# -- bench/memory.py's prefill shortcut ---------------------------------------------------------
+def _bench_memory():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "memory.py"
+    spec = importlib.util.spec_from_file_location("bench_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["topo", "full", "streaming", "snapkv", "knorm", "kivi", "palu"])
+def test_bench_store_only_prefill_keeps_what_attend_prefill_keeps(name):
+    """bench/memory.py skips the (discarded) outputs of prefill chunks and makes only the store
+    calls `attend` makes; for policies that do not track attention mass the store must end up
+    identical: same bytes per kind, same decode outputs."""
+    bench = _bench_memory()
+    k, v = _kv(700, heads=2, dim=32, seed=30, dtype=torch.float16)
+    q = torch.randn(8, 708, 32, generator=torch.Generator().manual_seed(31)).half()
+    k = torch.cat([k, _kv(8, heads=2, dim=32, seed=32, dtype=torch.float16)[0]], 1)
+    v = torch.cat([v, _kv(8, heads=2, dim=32, seed=33, dtype=torch.float16)[1]], 1)
+    fields = dict(page_size=16, sink_tokens=16, recent_tokens=32)
+    config = Config(policy=name, **({"target_ratio": None} if name == "full" else {}), **fields)
+    results = []
+    for store_only in (False, True):
+        with kvtopo.session(config) as s:
+            s.attend(bench.LAYER, q[None, :, :1], k[None, :, :1], v[None, :, :1], None, 0.2)
+            for a in range(1, 700, 128):
+                b = min(a + 128, 700)
+                if store_only:
+                    bench.store_chunk(s, q[:, a:b], k[:, a:b], v[:, a:b])
+                else:
+                    s.attend(bench.LAYER, q[None, :, a:b], k[None, :, a:b], v[None, :, a:b], None, 0.2)
+            out = s.attend(bench.LAYER, q[None, :, 700:], k[None, :, 700:], v[None, :, 700:], None, 0.2)
+            results.append((s.stats().per_kind, out))
+    assert results[0][0] == results[1][0]
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_bench_quick_runs_and_reports_bytes_from_the_session(tmp_path):
+    bench = _bench_memory()
+    inputs = bench.Inputs(2048 + 512, 4)
+    reference = bench.exact_decode(inputs)
+    full = bench.run(inputs, Config.lossless(), reference)
+    assert full["error"] < 2e-3  # float16 output rounding only
+    topo = bench.run(inputs, Config(), reference)
+    assert topo["tokens"] == 2048 + 512 + 4
+    assert topo["ratio"] == pytest.approx(topo["tokens"] * bench.FP16_PER_TOKEN / topo["total_bytes"])
+    assert sum(topo["per_kind"].values()) == topo["total_bytes"]
