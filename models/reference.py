@@ -24,7 +24,7 @@ _MARKERS = "\u00ab\u00bb\u00bf"  # « » ¿
 _GREEK = "".join(chr(c) for c in range(0x03B1, 0x03CA) if c != 0x03C2) + "".join(
     chr(c) for c in range(0x0391, 0x03AA) if c != 0x03A2
 )
-CHARS = "\n\t" + "".join(chr(c) for c in range(32, 127)) + _EXTRA + _MARKERS + _GREEK
+CHARS = "\n\t" + "".join(chr(c) for c in range(32, 127)) + _EXTRA + _MARKERS + _GREEK + "\u00b9\u00b2\u00b3"  # ¹ ² ³
 VOCAB = {t: i for i, t in enumerate(SPECIAL + list(CHARS))}
 PAD_ID, UNK_ID, EOS_ID = 0, 1, 2
 

@@ -12,15 +12,16 @@ The reference tokenizer is character level (one token per character), so
 Key/value *records* are embedded at random word boundaries of natural-language
 filler (CPython's bundled documentation, ``pydoc_data.topics``)::
 
-    «κ=4821»          key κ (one Greek letter), value 4821
-    «β2=7730»         key β, ordinal 2 (multi-value task)
-    «γ=β»             variable γ holds variable β (variable tracking)
+    «κ4821»           key κ (one Greek letter), value 4821
+    «β²7730»          key β, ordinal ² (multi-value task)
+    «γβ»              variable γ holds variable β (variable tracking)
 
 The prompt ends with the *query*, a newline, the question mark ``¿`` and the
 exact opening of the record being asked for (identical marker at record and
-query)::
+query), so retrieval is "find the earlier occurrence of the query's last
+token(s) and copy what followed" (an induction-head lookup)::
 
-    ...filler «κ=4821» filler ... filler\n¿«κ=
+    ...filler «κ4821» filler ... filler\n¿«κ
 
 The four tasks (``TASKS``):
 
@@ -30,15 +31,15 @@ The four tasks (``TASKS``):
     ``context_tokens // 64`` records (8 at 512, 16 at 1K, 32 at 2K) with
     distinct keys and 4-digit values; one is queried. Answer ``4821»``.
 ``multivalue``
-    Several keys, each with 3 records ``«β1=…»``, ``«β2=…»``, ``«β3=…»``
-    (shared key, ordinal 1..3, in order of appearance). The query opens the
-    first record of one key and the answer lists *all* its values, written
-    out record by record: ``4821»«β2=7730»«β3=1234»``.
+    ``context_tokens // 192`` keys, each with 3 records ``«β¹…»``,
+    ``«β²…»``, ``«β³…»`` (shared key, ordinal ¹²³, in order of appearance).
+    The query opens the first record of one key and the answer lists *all*
+    its values, written out record by record: ``4821»«β²7730»«β³1234»``.
 ``vartrack``
-    Chains ``«α=4821»`` … ``«β=α»`` … ``«γ=β»`` (records of one chain appear
-    in this order, interleaved with other chains). The query asks for the
-    last variable of one chain; the answer follows the chain hop by hop down
-    to the number: ``β»«β=α»«α=4821»``.
+    ``context_tokens // 192`` chains ``«α4821»`` … ``«βα»`` … ``«γβ»``
+    (records of one chain appear in this order, interleaved with other
+    chains). The query asks for the last variable of one chain; the answer
+    follows the chain hop by hop down to the number: ``β»«βα»«α4821»``.
 
 Every prompt is exactly ``context_tokens`` characters long (filler is cut to
 fit). Supported lengths are ``CONTEXT_LENGTHS`` = 512, 1024 and 2048 (the
@@ -99,6 +100,7 @@ GREEK_LOWER = "".join(chr(c) for c in range(0x03B1, 0x03CA) if c != 0x03C2)  # 2
 GREEK_UPPER = "".join(chr(c) for c in range(0x0391, 0x03AA) if c != 0x03A2)  # 24
 KEY_ALPHABET = GREEK_LOWER + GREEK_UPPER  # 48 single-character keys
 
+ORDINALS = "\u00b9\u00b2\u00b3"  # ¹ ² ³ (record ordinal in multivalue)
 N_VALUES = 3  # records per key in multivalue
 CHAIN_LEN = 3  # records per chain in vartrack (1 number + 2 aliases)
 
@@ -139,7 +141,7 @@ _TEXT_CACHE: dict[str, str] = {}
 
 def _clean(s: str) -> str:
     # Records use « » ¿ and Greek letters; make sure filler never contains them.
-    bad = set(OPEN + TERMINATOR + QUERY_MARK + KEY_ALPHABET)
+    bad = set(OPEN + TERMINATOR + QUERY_MARK + KEY_ALPHABET + ORDINALS)
     return "".join(" " if c in bad else c for c in s)
 
 
@@ -231,37 +233,37 @@ def _build(task: str, ctx: int, rng: random.Random, split: str, n_queries: int =
     qa: list[tuple[str, str]] = []
     if task == "passkey":
         k, v = keys[0], _digits(rng, 5, used)
-        groups.append([f"{OPEN}{k}={v}{TERMINATOR}"])
-        qa.append((f"{QUERY_PREFIX}{OPEN}{k}=", f"{v}{TERMINATOR}"))
+        groups.append([f"{OPEN}{k}{v}{TERMINATOR}"])
+        qa.append((f"{QUERY_PREFIX}{OPEN}{k}", f"{v}{TERMINATOR}"))
     elif task == "multikey":
         n = _n_records(task, ctx)
         for k in keys[:n]:
             v = _digits(rng, 4, used)
-            groups.append([f"{OPEN}{k}={v}{TERMINATOR}"])
-            qa.append((f"{QUERY_PREFIX}{OPEN}{k}=", f"{v}{TERMINATOR}"))
+            groups.append([f"{OPEN}{k}{v}{TERMINATOR}"])
+            qa.append((f"{QUERY_PREFIX}{OPEN}{k}", f"{v}{TERMINATOR}"))
     elif task == "multivalue":
         n = _n_records(task, ctx)
         for k in keys[:n]:
             vals = [_digits(rng, 4, used) for _ in range(N_VALUES)]
-            groups.append([f"{OPEN}{k}{j + 1}={v}{TERMINATOR}" for j, v in enumerate(vals)])
+            groups.append([f"{OPEN}{k}{ORDINALS[j]}{v}{TERMINATOR}" for j, v in enumerate(vals)])
             ans = f"{vals[0]}{TERMINATOR}" + "".join(
-                f"{OPEN}{k}{j + 1}={v}{TERMINATOR}" for j, v in enumerate(vals) if j > 0
+                f"{OPEN}{k}{ORDINALS[j]}{v}{TERMINATOR}" for j, v in enumerate(vals) if j > 0
             )
-            qa.append((f"{QUERY_PREFIX}{OPEN}{k}1=", ans))
+            qa.append((f"{QUERY_PREFIX}{OPEN}{k}{ORDINALS[0]}", ans))
     elif task == "vartrack":
         n = _n_records(task, ctx)
         for c in range(n):
             names = keys[c * CHAIN_LEN : (c + 1) * CHAIN_LEN]
             v = _digits(rng, 4, used)
-            recs = [f"{OPEN}{names[0]}={v}{TERMINATOR}"]
-            recs += [f"{OPEN}{names[i]}={names[i - 1]}{TERMINATOR}" for i in range(1, CHAIN_LEN)]
+            recs = [f"{OPEN}{names[0]}{v}{TERMINATOR}"]
+            recs += [f"{OPEN}{names[i]}{names[i - 1]}{TERMINATOR}" for i in range(1, CHAIN_LEN)]
             groups.append(recs)
             # answer: value of the last name, then follow the chain down
             ans = f"{names[-2]}{TERMINATOR}"
             for i in range(CHAIN_LEN - 2, 0, -1):
-                ans += f"{OPEN}{names[i]}={names[i - 1]}{TERMINATOR}"
-            ans += f"{OPEN}{names[0]}={v}{TERMINATOR}"
-            qa.append((f"{QUERY_PREFIX}{OPEN}{names[-1]}=", ans))
+                ans += f"{OPEN}{names[i]}{names[i - 1]}{TERMINATOR}"
+            ans += f"{OPEN}{names[0]}{v}{TERMINATOR}"
+            qa.append((f"{QUERY_PREFIX}{OPEN}{names[-1]}", ans))
     else:
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
     first = rng.randrange(len(qa))

@@ -30,7 +30,6 @@ def test_length_and_tokens(task, ctx):
     assert len(encode(ex.prompt)) == ctx
     assert all(c in VOCAB for c in ex.prompt + ex.answer)
     assert ex.answer.endswith(T.TERMINATOR)
-    assert ex.prompt.endswith("=")
     assert (T.QUERY_PREFIX + T.OPEN) in ex.prompt[-8:]
 
 
@@ -60,18 +59,19 @@ def test_answers_are_consistent_with_context(seed):
         assert _record_value(ex.prompt, opening) + T.TERMINATOR == ex.answer
     # multivalue: the three records of the key, in order
     ex = T.make_example("multivalue", 1024, seed)
-    key = ex.prompt[-3]
-    vals = [_record_value(ex.prompt, f"{T.OPEN}{key}{j}=") for j in (1, 2, 3)]
-    assert ex.answer == f"{vals[0]}»«{key}2={vals[1]}»«{key}3={vals[2]}»"
+    key = ex.prompt[-2]
+    assert ex.prompt.endswith(f"{T.OPEN}{key}¹")
+    vals = [_record_value(ex.prompt, f"{T.OPEN}{key}{o}") for o in "¹²³"]
+    assert ex.answer == f"{vals[0]}»«{key}²{vals[1]}»«{key}³{vals[2]}»"
     # vartrack: follow the chain by hand
     ex = T.make_example("vartrack", 1024, seed)
-    name, expected = ex.prompt[-2], ""
+    name, expected = ex.prompt[-1], ""
     for _ in range(T.CHAIN_LEN):
-        v = _record_value(ex.prompt, f"{T.OPEN}{name}=")
-        expected += f"{T.OPEN}{name}={v}{T.TERMINATOR}"
+        v = _record_value(ex.prompt, f"{T.OPEN}{name}")
+        expected += f"{T.OPEN}{name}{v}{T.TERMINATOR}"
         name = v
     assert v.isdigit()
-    assert f"{T.OPEN}{ex.prompt[-2]}=" + ex.answer == expected
+    assert f"{T.OPEN}{ex.prompt[-1]}" + ex.answer == expected
 
 
 def test_record_counts_scale_with_length():
@@ -101,17 +101,17 @@ def test_bad_length_raises(bad):
 def test_score_hand_made():
     ans = "4821»"
     assert T.score("4821»", ans)  # right
-    assert T.score("4821»«κ=1234»\n¿ blah", ans)  # right + extra tokens: ignored after terminator
+    assert T.score("4821»«κ1234»\n¿ blah", ans)  # right + extra tokens: ignored after terminator
     assert not T.score("4822»", ans)  # wrong
     assert not T.score("482", ans)  # partial
     assert not T.score("4821", ans)  # missing terminator
     assert not T.score("48210»", ans)  # longer number
     assert not T.score(" 4821»", ans)  # leading space is not stripped
     assert not T.score("", ans)  # empty
-    chain = "β»«β=α»«α=4821»"
+    chain = "β»«βα»«α4821»"
     assert T.score(chain + "xyz", chain)
-    assert not T.score("β»«β=α»«α=4820»", chain)
-    assert not T.score("β»«β=α»", chain)
+    assert not T.score("β»«βα»«α4820»", chain)
+    assert not T.score("β»«βα»", chain)
 
 
 def test_score_rejects_bad_inputs():
