@@ -82,7 +82,7 @@ def make_config(args):
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
-        max_position_embeddings=2048,
+        max_position_embeddings=2560,  # 2048-token prompts + answer tokens
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         pad_token_id=R.PAD_ID,
