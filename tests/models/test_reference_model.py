@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
 from kvtopo.models import tasks as T
 from kvtopo.models.reference import REFERENCE_DIR, load_reference_model
