@@ -70,3 +70,14 @@ class Policy:
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         """Importance [Hkv, n] of a page's tokens; the highest are kept. Only called when evicting."""
         raise NotImplementedError(f"policy {self.name!r} does not evict")
+
+    def has_budget(self) -> bool:
+        """Whether the config sets a byte budget, i.e. whether eviction has anything to meet."""
+        return self.config.target_ratio is not None or self.config.layer_budget_bytes is not None
+
+
+class ExactEviction(Policy):
+    """Evict Mid tokens by `score` to meet the budget; keep survivors and Recent pages exact."""
+
+    def mid_encoding(self) -> MidEncoding:
+        return MidEncoding(evict=self.has_budget())

@@ -13,19 +13,12 @@ import torch
 
 from kvtopo.kernels.scoring import softmax_mass
 
-from .base import MidEncoding, Policy, ScoreInputs
+from .base import ExactEviction, ScoreInputs
 
 
-class H2O(Policy):
+class H2O(ExactEviction):
     name = "h2o"
     tracks_attention_mass = True
-
-    def recent_bits(self):
-        return None
-
-    def mid_encoding(self) -> MidEncoding:
-        c = self.config
-        return MidEncoding(evict=c.target_ratio is not None or c.layer_budget_bytes is not None)
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         mass = inputs.attention_mass

@@ -6,18 +6,11 @@ mass. Kept tokens are stored exactly; Recent is exact.
 
 import torch
 
-from .base import MidEncoding, Policy, ScoreInputs
+from .base import ExactEviction, ScoreInputs
 
 
-class KNorm(Policy):
+class KNorm(ExactEviction):
     name = "knorm"
-
-    def recent_bits(self):
-        return None
-
-    def mid_encoding(self) -> MidEncoding:
-        c = self.config
-        return MidEncoding(evict=c.target_ratio is not None or c.layer_budget_bytes is not None)
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         return -inputs.keys.float().norm(dim=-1)

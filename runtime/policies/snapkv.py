@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kvtopo.kernels.scoring import softmax_mass
 
-from .base import MidEncoding, Policy, ScoreInputs
+from .base import ExactEviction, ScoreInputs
 
 # SnapKV's pooling kernel (its reference code uses 5-7); not a Config field.
 POOL_KERNEL = 7
@@ -29,15 +29,8 @@ def max_pool_tokens(score: torch.Tensor, kernel: int = POOL_KERNEL) -> torch.Ten
     return F.max_pool1d(score[:, None], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0]
 
 
-class SnapKV(Policy):
+class SnapKV(ExactEviction):
     name = "snapkv"
-
-    def recent_bits(self):
-        return None
-
-    def mid_encoding(self) -> MidEncoding:
-        c = self.config
-        return MidEncoding(evict=c.target_ratio is not None or c.layer_budget_bytes is not None)
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         if inputs.queries is None:

@@ -21,7 +21,7 @@ class Topo(Policy):
 
     def mid_encoding(self) -> MidEncoding:
         c = self.config
-        return MidEncoding(evict=c.target_ratio is not None or c.layer_budget_bytes is not None,
+        return MidEncoding(evict=self.has_budget(),
                            project=c.key_energy is not None, key_bits=c.mid_bits, value_bits=c.mid_bits)
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
