@@ -1,12 +1,13 @@
 """Exported decode step on onnxruntime vs the PyTorch eager session, and exported file sizes.
 
-llama zoo model, default Config (topo policy, 8x target), contexts 1K and 4K: prefill by chunks,
+A zoo model (llama by default; deepseek-v3 for MLA, whose cache is the latent + RoPE key), default
+Config (topo policy, 8x target), contexts 1K and 4K: prefill by chunks,
 then the median latency of single-token decode steps. onnxruntime: HostRunner.forward (the
 decode-step graph plus the host's cache bookkeeping and any page transition that step, run by
 the compressor graph). PyTorch: the model compiled with backend="kvtopo" (inductor off: eager)
 inside a kvtopo session. Quoted as a ratio measured in one run (shared, noisy machines).
 
-    python bench/export.py [--steps 16] [--out bench/results/export.json]
+    python bench/export.py [--model llama|deepseek-v3|...] [--steps 16] [--out bench/results/export.json]
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def _export_pkg():
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama", help="zoo model name")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--out", default=str(ROOT / "bench/results/export.json"))
+    ap.add_argument("--out", default=None, help="default: bench/results/export.json (llama), export_<model>.json")
     args = ap.parse_args()
     torch.set_num_threads(2)
 
@@ -49,7 +51,9 @@ def main() -> None:
 
     kx = _export_pkg()
     config = Config()
-    model = zoo.build("llama")
+    model = zoo.build(args.model)
+    out_path = Path(args.out or ROOT / "bench/results" / ("export.json" if args.model == "llama"
+                                                           else f"export_{args.model}.json"))
     tmp = Path(tempfile.mkdtemp(prefix="kvtopo_export_bench_"))
     t0 = time.perf_counter()
     paths = kx.export_onnx(model, tmp, config=config, max_context=max(args.contexts) + args.steps + 8)
@@ -94,12 +98,12 @@ def main() -> None:
               f"ratio {pt_ms / ort_ms:.2f}x")
     for name, size in sizes.items():
         print(f"{name:20s} {size / 1e6:8.3f} MB")
-    result = {"model": "llama (zoo)", "config": "Config() defaults (topo, target_ratio=8, page_size=32)",
+    result = {"model": f"{args.model} (zoo)", "config": "Config() defaults (topo, target_ratio=8, page_size=32)",
               "max_context_exported": max(args.contexts) + args.steps + 8, "decode_steps_timed": args.steps,
               "threads": 2, "export_seconds": round(export_s, 1), "decode": rows, "file_bytes": sizes}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ Two graphs per model (see export/decode_step.py, export/compressor.py, export/la
   compressor   one page's K/V + observation queries + head bases + keep count -> kept tokens,
                codes, statistics; exponential-free (no Exp/Softmax/Sigmoid/Tanh/Erf)
 `runtime.host_runner.HostRunner` drives the ONNX pair with the same phase scheduler as the
-PyTorch session.
+PyTorch session. MLA models (DeepSeek-V2/V3) export the same pair over the cache their session
+keeps: the latent + RoPE key, one kv-head whose value is the latent (export/layout.py).
 
     export_onnx("llama", "out/", config=Config(...))      # decode_step.onnx, compressor.onnx, layout.json
     export_mlir("llama", "out/", config=Config(...))      # <graph>.<torch|linalg-on-tensors|stablehlo>.mlir

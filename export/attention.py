@@ -18,6 +18,12 @@ Per layer, the cache tensors (see export/layout.py for capacities; batch 1):
     mid_row_page [M] int64                                     the Mid page slot of each row
     key_vectors [Hkv, dk, R], key_mean [Hkv, dk], value_vectors [Hkv, dv, R], value_mean [Hkv, dv]
 and lengths [3] int64: valid tokens in (exact, recent, mid). Rows past a length are ignored.
+
+MLA layers (`shared_value_dim` r set) cache what the session caches for them: one kv-head whose
+key is [latent ; RoPE key] and whose value is the latent, i.e. the key's first r dims. The value
+tensors (`VALUE_TENSORS`) are then absent and every segment reads its values from its keys: exact
+and Recent keys sliced, Mid coefficients shared with the keys against the first r rows of the key
+directions (as `runtime.codecs.MidSegment` with `shared_value_dim`).
 """
 
 from __future__ import annotations
@@ -28,9 +34,15 @@ import torch
 from torch import Tensor
 
 from kvtopo.kernels.compressed_attention import _group
+from kvtopo.kernels.ops import absorb_mla_query
 from kvtopo.kernels.reference import chunk_causal_mask
 
 from .compressor import unpack_codes
+
+
+# Absent when the values are the keys' leading dims (MLA).
+VALUE_TENSORS = ("exact_v", "recent_v_codes", "recent_v_scale", "recent_v_offset", "mid_v_codes", "mid_v_scale",
+                 "mid_v_offset", "value_vectors", "value_mean")
 
 
 @dataclass
@@ -56,11 +68,17 @@ class LayerCacheTensors:
     value_mean: Tensor
 
     @classmethod
-    def names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+    def names(cls, shared_values: bool = False) -> list[str]:
+        """Graph-input order of one layer's tensors (without the value tensors when shared)."""
+        return [f.name for f in fields(cls) if not (shared_values and f.name in VALUE_TENSORS)]
+
+    @classmethod
+    def from_flat(cls, tensors, shared_values: bool = False) -> "LayerCacheTensors":
+        given = dict(zip(cls.names(shared_values), tensors, strict=True))
+        return cls(**{n: given.get(n) for n in cls.names()})
 
     def as_tuple(self) -> tuple[Tensor, ...]:
-        return tuple(getattr(self, n) for n in self.names())
+        return tuple(getattr(self, n) for n in self.names(self.exact_v is None))
 
 
 # The functions below are kernels.compressed_attention's partial_dense / _softmax_lse /
@@ -100,11 +118,14 @@ def _valid(n: int, length: Tensor, t: int, device) -> Tensor:
     return (torch.arange(n, device=device) < length)[None, :].expand(t, n)
 
 
-def dequantize_recent(c: LayerCacheTensors, page_size: int, bits: int) -> tuple[Tensor, Tensor]:
+def dequantize_recent(c: LayerCacheTensors, page_size: int, bits: int,
+                      shared_value_dim: int | None = None) -> tuple[Tensor, Tensor]:
     heads, rows, dk = c.recent_k_codes.shape[0], c.recent_k_codes.shape[1], c.exact_k.shape[-1]
-    dv = c.exact_v.shape[-1]
     kc = unpack_codes(c.recent_k_codes, bits)[..., :dk].reshape(heads, rows // page_size, page_size, dk)
     keys = (c.recent_k_offset[:, :, None] + kc * c.recent_k_scale[:, :, None]).reshape(heads, rows, dk)
+    if shared_value_dim:
+        return keys, keys[..., :shared_value_dim]
+    dv = c.exact_v.shape[-1]
     vc = unpack_codes(c.recent_v_codes, bits)[..., :dv]
     values = c.recent_v_offset[..., None] + vc * c.recent_v_scale[..., None]
     return keys, values
@@ -128,19 +149,43 @@ def partial_lowrank_masked(q: Tensor, coeff_k: Tensor, key_vectors: Tensor, key_
 
 
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, c: LayerCacheTensors, lengths: Tensor,
-                     page_size: int, recent_bits: int, mid_bits: int) -> Tensor:
-    """q [1, Hq, T, d], new k/v [1, Hkv, T, d] -> [1, Hq, T, dv] over [cache ; chunk]."""
+                     page_size: int, recent_bits: int, mid_bits: int, shared_value_dim: int | None = None) -> Tensor:
+    """q [1, Hq, T, d], new k/v [1, Hkv, T, d] -> [1, Hq, T, dv] over [cache ; chunk].
+
+    `shared_value_dim` r: the values are the keys' first r dims (`v` is ignored, `c` holds no
+    value tensors), as `Session.attend` with `shared_value_dim`.
+    """
     q, k, v = q[0], k[0], v[0]
+    r = shared_value_dim
+    if r:
+        v = k[..., :r]
     t = q.shape[1]
     dev = q.device
-    parts = [partial_dense(q, c.exact_k, c.exact_v, scale, _valid(c.exact_k.shape[1], lengths[0], t, dev))]
-    rk, rv = dequantize_recent(c, page_size, recent_bits)
+    exact_v = c.exact_k[..., :r] if r else c.exact_v
+    parts = [partial_dense(q, c.exact_k, exact_v, scale, _valid(c.exact_k.shape[1], lengths[0], t, dev))]
+    rk, rv = dequantize_recent(c, page_size, recent_bits, r)
     parts.append(partial_dense(q, rk, rv, scale, _valid(rk.shape[1], lengths[1], t, dev)))
     page = c.mid_row_page
-    rk_, rv_ = c.key_vectors.shape[-1], c.value_vectors.shape[-1]
-    ck = c.mid_k_offset[:, page] + unpack_codes(c.mid_k_codes, mid_bits)[..., :rk_] * c.mid_k_scale[:, page]
-    cv = c.mid_v_offset[:, page] + unpack_codes(c.mid_v_codes, mid_bits)[..., :rv_] * c.mid_v_scale[:, page]
-    parts.append(partial_lowrank_masked(q, ck, c.key_vectors, c.key_mean, cv, c.value_vectors, c.value_mean,
+    rank = c.key_vectors.shape[-1]
+    ck = c.mid_k_offset[:, page] + unpack_codes(c.mid_k_codes, mid_bits)[..., :rank] * c.mid_k_scale[:, page]
+    if r:
+        cv, value_vectors, value_mean = ck, c.key_vectors[:, :r], c.key_mean[:, :r]
+    else:
+        cv = c.mid_v_offset[:, page] + unpack_codes(c.mid_v_codes, mid_bits)[..., :rank] * c.mid_v_scale[:, page]
+        value_vectors, value_mean = c.value_vectors, c.value_mean
+    parts.append(partial_lowrank_masked(q, ck, c.key_vectors, c.key_mean, cv, value_vectors, value_mean,
                                         scale, _valid(ck.shape[1], lengths[2], t, dev)))
     parts.append(partial_dense(q, k, v, scale, chunk_causal_mask(0, t, device=dev)))
     return merge_partials(parts).to(q.dtype)[None]
+
+
+def absorbed_mla_inputs(query: Tensor, latent: Tensor, rope_key: Tensor, kv_up_weight: Tensor, nope_dim: int):
+    """What `kvtopo::mla_attention` attends with: (absorbed queries [B, H, T, r + rope], keys
+    [B, 1, T, r + rope] = [latent ; rope key], W_uv [H, v, r] to apply to the attended latent)."""
+    q_latent, w_value = absorb_mla_query(query, kv_up_weight, nope_dim, latent.shape[-1])
+    return q_latent, torch.cat([latent, rope_key], dim=-1), w_value
+
+
+def latent_to_heads(out_latent: Tensor, w_value: Tensor) -> Tensor:
+    """Attended latent [B, H, T, r] -> per-head values [B, H, T, v], the up-projection applied once."""
+    return torch.einsum("bhtr,hvr->bhtv", out_latent, w_value)

@@ -26,6 +26,10 @@ Outputs:
     kept [Hkv, P] int64 (token index per slot; slots >= keep hold 0), key_codes [Hkv, P, R/(8/bits)]
     uint8, key_scale / key_offset [Hkv, R] f32 (float16-exact values when key_stats_f16),
     value_codes, value_scale, value_offset likewise, stats_f16 bool [2] (keys, values).
+
+MLA layers (values = the keys' leading latent dims, stored once with the keys, as
+`runtime.codecs.MidSegment` with `shared_value_dim`) use `SharedValuePageCompressor`: the same
+graph without the value inputs and outputs (stats_f16 is [1]).
 """
 
 from __future__ import annotations
@@ -112,14 +116,35 @@ class PageCompressor(nn.Module):
             raise ValueError(f"mid bits must be 2, 4 or 8, got {bits!r}")
         self.bits, self.margin = bits, float(margin)
 
+    INPUTS = ("keys", "values", "queries", "num_queries", "keep", "scale",
+              "key_vectors", "key_mean", "value_vectors", "value_mean")
+    OUTPUTS = ("kept", "key_codes", "key_scale", "key_offset", "value_codes", "value_scale", "value_offset",
+               "stats_f16")
+
     def forward(self, keys, values, queries, num_queries, keep, scale,
                 key_vectors, key_mean, value_vectors, value_mean):
+        kept, valid = self._select(keys, queries, num_queries, keep, scale)
+        ck, k_scale, k_offset, k16 = self._code(keys, kept, valid, key_vectors, key_mean)
+        cv, v_scale, v_offset, v16 = self._code(values, kept, valid, value_vectors, value_mean)
+        return kept, ck, k_scale, k_offset, cv, v_scale, v_offset, torch.stack([k16, v16])
+
+    def _select(self, keys, queries, num_queries, keep, scale):
         scores = expfree_page_scores(keys, queries, num_queries, scale, self.margin)
-        kept = select_kept(scores, keep)
-        valid = torch.arange(keys.shape[1], device=keys.device) < keep
-        k = keys.gather(1, kept[..., None].expand(-1, -1, keys.shape[-1]))
-        v = values.gather(1, kept[..., None].expand(-1, -1, values.shape[-1]))
-        ck, k_scale, k_offset, k16 = quantize_columns((k - key_mean[:, None]) @ key_vectors, valid, self.bits)
-        cv, v_scale, v_offset, v16 = quantize_columns((v - value_mean[:, None]) @ value_vectors, valid, self.bits)
-        return (kept, pack_codes(ck, self.bits), k_scale, k_offset,
-                pack_codes(cv, self.bits), v_scale, v_offset, torch.stack([k16, v16]))
+        return select_kept(scores, keep), torch.arange(keys.shape[1], device=keys.device) < keep
+
+    def _code(self, x, kept, valid, vectors, mean):
+        rows = x.gather(1, kept[..., None].expand(-1, -1, x.shape[-1]))
+        codes, scale, offset, f16 = quantize_columns((rows - mean[:, None]) @ vectors, valid, self.bits)
+        return pack_codes(codes, self.bits), scale, offset, f16
+
+
+class SharedValuePageCompressor(PageCompressor):
+    """The Mid-page encoder for MLA layers: values are the keys' leading dims, so only keys are coded."""
+
+    INPUTS = ("keys", "queries", "num_queries", "keep", "scale", "key_vectors", "key_mean")
+    OUTPUTS = ("kept", "key_codes", "key_scale", "key_offset", "stats_f16")
+
+    def forward(self, keys, queries, num_queries, keep, scale, key_vectors, key_mean):
+        kept, valid = self._select(keys, queries, num_queries, keep, scale)
+        ck, k_scale, k_offset, k16 = self._code(keys, kept, valid, key_vectors, key_mean)
+        return kept, ck, k_scale, k_offset, k16[None]

@@ -13,6 +13,12 @@ for the host to append and to keep as the observation window:
 
     forward(input_ids [1, T], position_ids [1, T], lengths [L, 3], cache: tuple of L * 19 tensors)
       -> (logits [1, T, V], new_k: L x [Hkv, T, dk], new_v: L x [Hkv, T, dv], queries: L x [Hq, T, d])
+
+`torch.ops.kvtopo.mla_attention` nodes (DeepSeek-V2/V3) become the same cached attention as the
+op does it in a session: the query absorbs the up-projection, the layer caches one kv-head of
+[latent ; RoPE key] whose value is the latent (no value tensors: 10 cache tensors per layer, no
+new_v outputs), and the attended latent is up-projected once. queries are the absorbed queries
+[H, T, r + rope], what the session keeps as the observation window.
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ from torch import nn
 
 import kvtopo.kernels.ops  # noqa: F401  (registers torch.ops.kvtopo.attention)
 from kvtopo.config import Config
+from kvtopo.passes.find_mla import MLASite
 from kvtopo.passes.manager import run_passes
 
-from .attention import LayerCacheTensors, cached_attention
+from .attention import LayerCacheTensors, absorbed_mla_inputs, cached_attention, latent_to_heads
 from .layout import CacheLayout
 
 
@@ -103,16 +110,33 @@ class _Binding:
         self.step, self.lengths, self.cache = step, lengths, cache
         self.new_k, self.new_v, self.queries = {}, {}, {}
 
+    def attend(self, layer: str, query, key, value, scale):
+        """Record the layer's new keys, values (unless they are the keys' leading dims) and queries;
+        attend over the layer's cache tensors."""
+        i = self.step.layer_index[layer]
+        lay = self.step.layout
+        self.new_k[i], self.queries[i] = key[0], query[0]
+        if not lay.shared_value_dim:
+            self.new_v[i] = value[0]
+        return cached_attention(query, key, value, scale, self.cache[i], self.lengths[i], lay.page_size,
+                                lay.recent_code_bits, lay.mid_code_bits, lay.shared_value_dim)
+
 
 def kvtopo_cached_attention(query, key, value, attn_mask, scale, is_causal, layer):
     """Replacement target of `kvtopo.attention` nodes inside DecodeStep (the mask is the model's
     own causal mask for the chunk; the cache's causal structure is rebuilt from lengths)."""
-    b = _BINDINGS[-1]
-    i = b.step.layer_index[layer]
-    lay = b.step.layout
-    b.new_k[i], b.new_v[i], b.queries[i] = key[0], value[0], query[0]
-    return cached_attention(query, key, value, scale, b.cache[i], b.lengths[i], lay.page_size,
-                            lay.recent_code_bits, lay.mid_code_bits)
+    return _BINDINGS[-1].attend(layer, query, key, value, scale)
+
+
+def kvtopo_cached_mla_attention(query, latent, rope_key, kv_up_weight, attn_mask, scale, is_causal, layer, nope_dim):
+    """Replacement target of `kvtopo.mla_attention` nodes: the op's latent-space attention, with
+    the latent + RoPE key cached as one kv-head whose value is the latent."""
+    q_latent, keys, w_value = absorbed_mla_inputs(query, latent, rope_key, kv_up_weight, nope_dim)
+    return latent_to_heads(_BINDINGS[-1].attend(layer, q_latent, keys, latent, scale), w_value)
+
+
+_REPLACEMENTS = {torch.ops.kvtopo.attention.default: kvtopo_cached_attention,
+                 torch.ops.kvtopo.mla_attention.default: kvtopo_cached_mla_attention}
 
 
 class DecodeStep(nn.Module):
@@ -122,8 +146,9 @@ class DecodeStep(nn.Module):
         self.layout = layout
         self.layer_index = {name: i for i, name in enumerate(layout.layer_names)}
         for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target is torch.ops.kvtopo.attention.default:
-                node.target = kvtopo_cached_attention
+            if node.op == "call_function" and node.target in _REPLACEMENTS:
+                node.target = _REPLACEMENTS[node.target]
+        _sorted_topk(gm)
         gm.recompile()
         self.gm = gm
         # Placeholders: the token count (SymInt), input_ids, position_ids, or a model constant.
@@ -143,8 +168,10 @@ class DecodeStep(nn.Module):
                 raise ValueError(f"cannot export: graph input {node.name!r} is a {type(example).__name__}")
 
     def forward(self, input_ids, position_ids, lengths, cache):
-        per = len(LayerCacheTensors.names())
-        layers = [LayerCacheTensors(*cache[i * per:(i + 1) * per]) for i in range(self.layout.num_layers)]
+        shared = bool(self.layout.shared_value_dim)
+        per = len(LayerCacheTensors.names(shared))
+        layers = [LayerCacheTensors.from_flat(cache[i * per:(i + 1) * per], shared)
+                  for i in range(self.layout.num_layers)]
         binding = _Binding(self, lengths, layers)
         args = []
         for kind in self.arg_kinds:
@@ -161,28 +188,54 @@ class DecodeStep(nn.Module):
             _BINDINGS.pop()
         logits = out[0] if isinstance(out, (tuple, list)) else out
         n = self.layout.num_layers
-        return (logits, tuple(binding.new_k[i] for i in range(n)), tuple(binding.new_v[i] for i in range(n)),
+        new_v = () if self.layout.shared_value_dim else tuple(binding.new_v[i] for i in range(n))
+        return (logits, tuple(binding.new_k[i] for i in range(n)), new_v,
                 tuple(binding.queries[i] for i in range(n)))
+
+
+def _cached_shape(site) -> dict:
+    """What one layer caches: heads, kv-heads, key/value dims, and for MLA the value dims shared with the key."""
+    if isinstance(site, MLASite):
+        r = site.latent_dim
+        return dict(heads=site.site.heads, kv_heads=1, head_dim=r + site.rope_dim, value_head_dim=r,
+                    shared_value_dim=r)
+    return dict(heads=site.heads, kv_heads=site.kv_heads, head_dim=site.head_dim, value_head_dim=site.value_head_dim,
+                shared_value_dim=None)
+
+
+def _sorted_topk(gm: fx.GraphModule) -> None:
+    """Make `topk(..., sorted=False)` calls (DeepSeek-V3's expert router) sorted.
+
+    torch-mlir cannot lower an unsorted topk (its `sorted` flag is left unlowered), and a sorted
+    result is one of the orders `sorted=False` allows, so the model's function is unchanged.
+    """
+    for node in gm.graph.nodes:
+        if (node.op, node.target) not in (("call_function", torch.topk), ("call_method", "topk")):
+            continue
+        if len(node.args) > 4:  # topk(input, k, dim, largest, sorted)
+            node.args = (*node.args[:4], True, *node.args[5:])
+        elif "sorted" in node.kwargs:
+            node.kwargs = {**node.kwargs, "sorted": True}
 
 
 def layout_for(model: nn.Module, captured: Captured, config: Config, max_context: int) -> CacheLayout:
     sites = captured.sites
-    s0 = sites[0]
-    for s in sites:
-        if (s.heads, s.kv_heads, s.head_dim, s.value_head_dim) != (s0.heads, s0.kv_heads, s0.head_dim, s0.value_head_dim):
-            raise NotImplementedError("export needs every attention layer to have the same head shapes")
-    return CacheLayout.build(config, max_context, layer_names=[s.layer for s in sites], scales=[s.scale for s in sites],
-                             heads=s0.heads, kv_heads=s0.kv_heads, head_dim=s0.head_dim,
-                             value_head_dim=s0.value_head_dim, vocab_size=model.config.vocab_size)
+    shapes = [_cached_shape(s) for s in sites]
+    if any(shape != shapes[0] for shape in shapes):
+        raise NotImplementedError("export needs every attention layer to cache the same shapes (and either all or "
+                                  "no layers MLA); got " + "; ".join(f"{s.layer}: {shape}" for s, shape in zip(sites, shapes)))
+    scales = [s.site.scale if isinstance(s, MLASite) else s.scale for s in sites]
+    return CacheLayout.build(config, max_context, layer_names=[s.layer for s in sites], scales=scales,
+                             vocab_size=model.config.vocab_size, **shapes[0])
 
 
 def cache_shapes(layout: CacheLayout) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Shape and dtype of each per-layer cache tensor (LayerCacheTensors order)."""
+    """Shape and dtype of each per-layer cache tensor (LayerCacheTensors order; MLA: no value tensors)."""
     h, dk, dv, P = layout.kv_heads, layout.head_dim, layout.value_head_dim, layout.page_size
     rpb, mpb = 8 // layout.recent_code_bits, 8 // layout.mid_code_bits
     C, M, Mp, R = layout.recent_capacity, layout.mid_capacity, layout.mid_page_capacity, layout.rank_capacity
     f, u8 = torch.float32, torch.uint8
-    return {
+    shapes = {
         "exact_k": ((h, layout.exact_capacity, dk), f), "exact_v": ((h, layout.exact_capacity, dv), f),
         "recent_k_codes": ((h, C, -(-dk // rpb)), u8), "recent_k_scale": ((h, C // P, dk), f),
         "recent_k_offset": ((h, C // P, dk), f),
@@ -193,6 +246,7 @@ def cache_shapes(layout: CacheLayout) -> dict[str, tuple[tuple[int, ...], torch.
         "key_vectors": ((h, dk, R), f), "key_mean": ((h, dk), f),
         "value_vectors": ((h, dv, R), f), "value_mean": ((h, dv), f),
     }
+    return {name: shapes[name] for name in LayerCacheTensors.names(bool(layout.shared_value_dim))}
 
 
 def empty_cache(layout: CacheLayout) -> list[torch.Tensor]:
@@ -207,10 +261,11 @@ def empty_cache(layout: CacheLayout) -> list[torch.Tensor]:
 def input_names(layout: CacheLayout) -> list[str]:
     names = ["input_ids", "position_ids", "lengths"]
     for i in range(layout.num_layers):
-        names += [f"{n}_{i}" for n in LayerCacheTensors.names()]
+        names += [f"{n}_{i}" for n in LayerCacheTensors.names(bool(layout.shared_value_dim))]
     return names
 
 
 def output_names(layout: CacheLayout) -> list[str]:
     n = layout.num_layers
-    return ["logits"] + [f"new_k_{i}" for i in range(n)] + [f"new_v_{i}" for i in range(n)] + [f"queries_{i}" for i in range(n)]
+    new_v = [] if layout.shared_value_dim else [f"new_v_{i}" for i in range(n)]
+    return ["logits"] + [f"new_k_{i}" for i in range(n)] + new_v + [f"queries_{i}" for i in range(n)]

@@ -12,6 +12,10 @@ Batch 1. Per layer (names `<tensor>_<layer index>` in the ONNX graph; see export
             (head_dim rounded up to a multiple of 8 // mid_bits), and their means
   lengths   [layers, 3] int64: valid tokens in (exact, recent, mid) of each layer
 Rows past a length and padded columns are ignored by the graph (they may hold anything finite).
+
+MLA models (`shared_value_dim` = latent rank r) cache one kv-head per layer whose key is
+[latent ; RoPE key] (head_dim = r + rope) and whose value is the latent (value_head_dim = r),
+stored once inside the key as the PyTorch session does: there are no value tensors.
 """
 
 from __future__ import annotations
@@ -66,6 +70,12 @@ class CacheLayout:
     observation_window: int
     score_margin: float
     config: dict = field(default_factory=dict)
+    shared_value_dim: int | None = None  # MLA: values are the keys' first that many dims
+
+    @property
+    def stored_value_dim(self) -> int:
+        """Value dims stored per token and kv-head (0 when the values live in the keys)."""
+        return 0 if self.shared_value_dim else self.value_head_dim
 
     @property
     def recent_capacity(self) -> int:
@@ -81,8 +91,11 @@ class CacheLayout:
 
     @classmethod
     def build(cls, config: Config, max_context: int, *, layer_names, scales, heads, kv_heads, head_dim,
-              value_head_dim, vocab_size) -> "CacheLayout":
+              value_head_dim, vocab_size, shared_value_dim: int | None = None) -> "CacheLayout":
         check_exportable(config)
+        if shared_value_dim is not None and not (shared_value_dim == value_head_dim <= head_dim):
+            raise ValueError(f"shared_value_dim={shared_value_dim} must equal value_head_dim={value_head_dim} "
+                             f"and fit in head_dim={head_dim}")
         policy = make_policy(config)
         recent_bits = policy.recent_bits()
         enc = policy.mid_encoding()
@@ -102,7 +115,7 @@ class CacheLayout:
             mid_capacity=max_context, mid_page_capacity=pages,
             rank_capacity=-(-max(head_dim, value_head_dim) // per_byte) * per_byte,
             recent_bits=recent_bits, mid_bits=mid_bits, observation_window=config.observation_window,
-            score_margin=float(config.score_margin), config=_config_dict(config),
+            score_margin=float(config.score_margin), config=_config_dict(config), shared_value_dim=shared_value_dim,
         )
 
     def to_json(self) -> str:

@@ -16,15 +16,12 @@ from pathlib import Path
 import onnx
 import torch
 
-from .compressor import PageCompressor
+from .compressor import PageCompressor, SharedValuePageCompressor
 from .decode_step import (DecodeStep, cache_shapes, capture, empty_cache, input_names, layout_for,
                           output_names)
 
 DECODE_FILE, COMPRESSOR_FILE, LAYOUT_FILE = "decode_step.onnx", "compressor.onnx", "layout.json"
-COMPRESSOR_INPUTS = ["keys", "values", "queries", "num_queries", "keep", "scale",
-                     "key_vectors", "key_mean", "value_vectors", "value_mean"]
-COMPRESSOR_OUTPUTS = ["kept", "key_codes", "key_scale", "key_offset", "value_codes", "value_scale",
-                      "value_offset", "stats_f16"]
+COMPRESSOR_INPUTS, COMPRESSOR_OUTPUTS = list(PageCompressor.INPUTS), list(PageCompressor.OUTPUTS)
 
 
 def decode_step_program(model, config, max_context: int, tokens: int = 8):
@@ -48,10 +45,12 @@ def example_decode_args(layout, tokens: int = 8):
 
 
 def compressor_module(layout) -> PageCompressor:
-    return PageCompressor(layout.mid_code_bits, layout.score_margin).eval()
+    cls = SharedValuePageCompressor if layout.shared_value_dim else PageCompressor
+    return cls(layout.mid_code_bits, layout.score_margin).eval()
 
 
 def example_compressor_args(layout, seed: int = 0):
+    """Example inputs in `compressor_module(layout).INPUTS` order."""
     g = torch.Generator().manual_seed(seed)
     h, hq, dk, dv, P, W, R = (layout.kv_heads, layout.heads, layout.head_dim, layout.value_head_dim,
                               layout.page_size, layout.observation_window, layout.rank_capacity)
@@ -60,9 +59,12 @@ def example_compressor_args(layout, seed: int = 0):
     key_vectors[..., : min(R, dk)] = kv if kv is not None else torch.linalg.qr(torch.randn(h, dk, dk, generator=g))[0]
     value_vectors = torch.zeros(h, dv, R)
     value_vectors[..., : min(R, dv)] = torch.linalg.qr(torch.randn(h, dv, dv, generator=g))[0][..., : min(R, dv)]
-    return (torch.randn(h, P, dk, generator=g), torch.randn(h, P, dv, generator=g), torch.randn(hq, W, dk, generator=g),
-            torch.tensor(W), torch.tensor(max(1, P // 2)), torch.tensor(layout.scales[0]),
-            key_vectors, torch.randn(h, dk, generator=g) * 0.1, value_vectors, torch.randn(h, dv, generator=g) * 0.1)
+    args = dict(keys=torch.randn(h, P, dk, generator=g), values=torch.randn(h, P, dv, generator=g),
+                queries=torch.randn(hq, W, dk, generator=g), num_queries=torch.tensor(W),
+                keep=torch.tensor(max(1, P // 2)), scale=torch.tensor(layout.scales[0]), key_vectors=key_vectors,
+                key_mean=torch.randn(h, dk, generator=g) * 0.1, value_vectors=value_vectors,
+                value_mean=torch.randn(h, dv, generator=g) * 0.1)
+    return tuple(args[name] for name in compressor_module(layout).INPUTS)
 
 
 def compressor_program(layout):
@@ -89,8 +91,8 @@ def export_onnx_files(model, out_dir, config, max_context: int = 4096) -> dict[s
     step, args, ep = decode_step_program(model, config, max_context)
     layout = step.layout
     _to_onnx(ep, args, out / DECODE_FILE, input_names(layout), output_names(layout))
-    _, cargs, cep = compressor_program(layout)
-    _to_onnx(cep, cargs, out / COMPRESSOR_FILE, COMPRESSOR_INPUTS, COMPRESSOR_OUTPUTS)
+    cmodule, cargs, cep = compressor_program(layout)
+    _to_onnx(cep, cargs, out / COMPRESSOR_FILE, list(cmodule.INPUTS), list(cmodule.OUTPUTS))
     (out / LAYOUT_FILE).write_text(layout.to_json())
     return {"decode_step": str(out / DECODE_FILE), "compressor": str(out / COMPRESSOR_FILE),
             "layout": str(out / LAYOUT_FILE)}

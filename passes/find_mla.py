@@ -43,9 +43,16 @@ class MLASite:
     nope_dim: int
     fills: tuple[fx.Node, ...]  # the in-place copy_ nodes that built the per-head key
 
+    @property
+    def latent_dim(self) -> int:
+        return static_int(meta_tensor(self.latent).shape[-1])
+
+    @property
+    def rope_dim(self) -> int:
+        return static_int(meta_tensor(self.rope_key).shape[-1])
+
     def describe(self) -> str:
-        r = static_int(meta_tensor(self.latent).shape[-1])
-        rope = static_int(meta_tensor(self.rope_key).shape[-1])
+        r, rope = self.latent_dim, self.rope_dim
         return (f"{self.layer}: MLA ({self.site.pattern}), heads={self.site.heads} latent={r} rope={rope} "
                 f"nope={self.nope_dim} v_head_dim={self.site.value_head_dim} scale={self.site.scale:.4g}")
 

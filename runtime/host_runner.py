@@ -15,6 +15,11 @@ queries + head bases -> kept tokens, codes, statistics; exponential-free) and `l
   graph an NPU toolchain wants), once per layer, on the same tokens and at the same moment as
   the session (when the first page is about to reach Mid, on everything held plus the chunk).
 
+MLA layouts (`layout.shared_value_dim` set: DeepSeek-V2/V3) hold one kv-head of [latent ; RoPE key]
+per token whose value is the latent, as `runtime.layer_cache.LayerCache` with `shared_value_dim`:
+no values are stored, Recent pages code only keys, Mid pages go through the keys-only compressor
+and only key bases are fitted.
+
 Batch 1. Differences from the PyTorch session are float rounding only: the graphs compute the
 same functions from the same inputs, but onnxruntime's kernels round differently (~1e-7), so a
 quantization code sitting on a rounding boundary, or two tokens whose scores tie to ~1e-7, can
@@ -45,7 +50,7 @@ class _Page:
     phase: Phase
     tokens: int = 0
     keys: torch.Tensor | None = None  # exact storage [Hkv, P, dk] while the page is exact
-    values: torch.Tensor | None = None
+    values: torch.Tensor | None = None  # [Hkv, P, dv]; None when the values live in the keys (MLA)
     recent: RecentPage | None = None
     mid_rows: int | None = None  # kept tokens, once Mid
 
@@ -56,6 +61,7 @@ class _Layer:
     def __init__(self, runner: "HostRunner", index: int):
         lay = runner.layout
         self.r, self.index = runner, index
+        self.shared = bool(lay.shared_value_dim)
         self.scale = lay.scales[index]
         self.pages: list[_Page] = []
         self.length = 0
@@ -70,22 +76,24 @@ class _Layer:
         width = R // (8 // lay.mid_code_bits)
         self.mid = {
             "mid_k_codes": np.zeros((h, M, width), np.uint8), "mid_k_scale": np.zeros((h, Mp, R), np.float32),
-            "mid_k_offset": np.zeros((h, Mp, R), np.float32),
-            "mid_v_codes": np.zeros((h, M, width), np.uint8), "mid_v_scale": np.zeros((h, Mp, R), np.float32),
-            "mid_v_offset": np.zeros((h, Mp, R), np.float32), "mid_row_page": np.zeros((M,), np.int64),
+            "mid_k_offset": np.zeros((h, Mp, R), np.float32), "mid_row_page": np.zeros((M,), np.int64),
         }
+        self.bases = {"key_vectors": np.zeros((h, lay.head_dim, R), np.float32),
+                      "key_mean": np.zeros((h, lay.head_dim), np.float32)}
+        if not self.shared:
+            self.mid.update({"mid_v_codes": np.zeros((h, M, width), np.uint8),
+                             "mid_v_scale": np.zeros((h, Mp, R), np.float32),
+                             "mid_v_offset": np.zeros((h, Mp, R), np.float32)})
+            self.bases.update({"value_vectors": np.zeros((h, lay.value_head_dim, R), np.float32),
+                               "value_mean": np.zeros((h, lay.value_head_dim), np.float32)})
         self.mid_len = 0
         self.mid_pages = 0
-        self.bases = {"key_vectors": np.zeros((h, lay.head_dim, R), np.float32),
-                      "key_mean": np.zeros((h, lay.head_dim), np.float32),
-                      "value_vectors": np.zeros((h, lay.value_head_dim, R), np.float32),
-                      "value_mean": np.zeros((h, lay.value_head_dim), np.float32)}
 
     # -- accounting (the bytes the session counts, so budgets evict the same tokens) ----------------
     @property
     def exact_page_nbytes(self) -> int:
         lay = self.r.layout
-        return lay.kv_heads * lay.page_size * (lay.head_dim + lay.value_head_dim) * 4
+        return lay.kv_heads * lay.page_size * (lay.head_dim + lay.stored_value_dim) * 4
 
     def page_nbytes(self, page: _Page) -> int:
         if page.keys is not None:
@@ -98,12 +106,11 @@ class _Layer:
         seg = self.segment
         if seg is None:
             return 0
-        bases = sum(b.nbytes for b in (seg.key_bases, seg.value_bases) if b is not None)
-        stats = 0
-        if seg.key_bases is not None:
-            for side, bases_ in enumerate((seg.key_bases, seg.value_bases)):
-                stats += self.mid_stat_pages * 2 * sum(bases_.ranks) * (4 if self.mid_f32[side] else 2)
-        return bases + self.mid_code_bytes + stats + 2 * 4 * self.mid_page_count
+        coded = [b for b in (seg.key_bases, seg.value_bases) if b is not None]
+        bases = sum(b.nbytes for b in coded)
+        stats = sum(self.mid_stat_pages * 2 * sum(b.ranks) * (4 if self.mid_f32[side] else 2)
+                    for side, b in enumerate(coded))
+        return bases + self.mid_code_bytes + stats + (1 if self.shared else 2) * 4 * self.mid_page_count
 
     def nbytes(self) -> int:
         metadata = 4 * self.block_table_len + (self.observation.nbytes if self.observation is not None else 0)
@@ -113,25 +120,29 @@ class _Layer:
         c, lay = self.r.config, self.r.layout
         limits = []
         if c.target_ratio is not None:
-            limits.append(self.length * lay.kv_heads * (lay.head_dim + lay.value_head_dim) * 2 / c.target_ratio)
+            limits.append(self.length * lay.kv_heads * (lay.head_dim + lay.stored_value_dim) * 2 / c.target_ratio)
         if c.layer_budget_bytes is not None:
             limits.append(c.layer_budget_bytes)
         return min(limits) if limits else None
 
     # -- writing ---------------------------------------------------------------------------------------
     def observe(self, queries: torch.Tensor) -> None:
+        if not self.r.mid_encoding.evict:  # as the session: only eviction scores read them
+            return
         window = self.r.config.observation_window
         recent = queries[:, -window:].to(torch.float16)
         if self.observation is not None:
             recent = torch.cat([self.observation, recent], dim=1)[:, -window:]
         self.observation = recent.clone()
 
-    def page_kv(self, page: _Page) -> tuple[torch.Tensor, torch.Tensor]:
+    def page_kv(self, page: _Page) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A page's keys and values (values None when they live in the keys)."""
         if page.keys is not None:
-            return page.keys[:, : page.tokens].clone(), page.values[:, : page.tokens].clone()
+            values = None if self.shared else page.values[:, : page.tokens].clone()
+            return page.keys[:, : page.tokens].clone(), values
         return page.recent.decode()
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def append(self, keys: torch.Tensor, values: torch.Tensor | None) -> None:
         n = keys.shape[1]
         if n == 0:
             return
@@ -143,12 +154,14 @@ class _Layer:
         while written < n:
             if not self.pages or self.pages[-1].tokens == P:
                 self.pages.append(_Page(Phase.TERMINAL, keys=keys.new_zeros(lay.kv_heads, P, lay.head_dim),
-                                        values=values.new_zeros(lay.kv_heads, P, lay.value_head_dim)))
+                                        values=None if self.shared else values.new_zeros(lay.kv_heads, P,
+                                                                                         lay.value_head_dim)))
                 self._settle(max(0, len(self.pages) - 2 - plan.recent_pages))
             page = self.pages[-1]
             take = min(P - page.tokens, n - written)
             page.keys[:, page.tokens: page.tokens + take] = keys[:, written: written + take]
-            page.values[:, page.tokens: page.tokens + take] = values[:, written: written + take]
+            if not self.shared:
+                page.values[:, page.tokens: page.tokens + take] = values[:, written: written + take]
             page.tokens += take
             self.length += take
             written += take
@@ -163,20 +176,19 @@ class _Layer:
         if enc.project:
             held = [self.page_kv(p) for p in self.pages] + [(new_keys, new_values)]
             key_bases = fit_bases(torch.cat([k for k, _ in held], dim=1), c.key_energy)
-            value_bases = fit_bases(torch.cat([v for _, v in held], dim=1), c.value_energy)
-            self._set_bases(key_bases, value_bases)
-        return MidSegment(enc, key_bases, value_bases, torch.float32)
+            self._set_bases("key", key_bases)
+            if not self.shared:
+                value_bases = fit_bases(torch.cat([v for _, v in held], dim=1), c.value_energy)
+                self._set_bases("value", value_bases)
+        return MidSegment(enc, key_bases, value_bases, torch.float32, self.r.layout.shared_value_dim)
 
-    def _set_bases(self, kb: HeadBases, vb: HeadBases) -> None:
+    def _set_bases(self, side: str, bases: HeadBases) -> None:
         R = self.r.layout.rank_capacity
-        if kb.vectors.shape[-1] > R or vb.vectors.shape[-1] > R:
-            raise ValueError(f"rank {kb.vectors.shape[-1]}/{vb.vectors.shape[-1]} exceeds the layout's capacity {R}")
-        self.bases["key_vectors"][:] = 0
-        self.bases["value_vectors"][:] = 0
-        self.bases["key_vectors"][..., : kb.vectors.shape[-1]] = kb.vectors.numpy()
-        self.bases["value_vectors"][..., : vb.vectors.shape[-1]] = vb.vectors.numpy()
-        self.bases["key_mean"][:] = kb.mean.numpy()
-        self.bases["value_mean"][:] = vb.mean.numpy()
+        if bases.vectors.shape[-1] > R:
+            raise ValueError(f"{side} rank {bases.vectors.shape[-1]} exceeds the layout's capacity {R}")
+        self.bases[f"{side}_vectors"][:] = 0
+        self.bases[f"{side}_vectors"][..., : bases.vectors.shape[-1]] = bases.vectors.numpy()
+        self.bases[f"{side}_mean"][:] = bases.mean.numpy()
 
     def _settle(self, start: int) -> None:
         count = len(self.pages)
@@ -235,60 +247,61 @@ class _Layer:
             obs[:, :nq] = self.observation.float().numpy()
         P = lay.page_size
         k = np.zeros((lay.kv_heads, P, lay.head_dim), np.float32)
-        v = np.zeros((lay.kv_heads, P, lay.value_head_dim), np.float32)
-        k[:, :tokens], v[:, :tokens] = keys.float().numpy(), values.float().numpy()
-        feeds = {"keys": k, "values": v, "queries": obs, "num_queries": np.array(nq, np.int64),
+        k[:, :tokens] = keys.float().numpy()
+        feeds = {"keys": k, "queries": obs, "num_queries": np.array(nq, np.int64),
                  "keep": np.array(keep, np.int64), "scale": np.array(self.scale, np.float32), **self.bases}
-        _, kc, ks, ko, vc, vs, vo, f16 = self.r.compressor.run(None, feeds)
+        if not self.shared:
+            feeds["values"] = np.zeros((lay.kv_heads, P, lay.value_head_dim), np.float32)
+            feeds["values"][:, :tokens] = values.float().numpy()
+        out = dict(zip(self.r.compressor_outputs, self.r.compressor.run(None, feeds)))
         rows, slot = slice(self.mid_len, self.mid_len + keep), self.mid_pages
         if rows.stop > lay.mid_capacity or slot >= lay.mid_page_capacity:
             raise RuntimeError(f"the exported Mid capacity ({lay.mid_capacity} tokens) is full: export with a larger max_context")
         m = self.mid
-        m["mid_k_codes"][:, rows], m["mid_v_codes"][:, rows] = kc[:, :keep], vc[:, :keep]
-        m["mid_k_scale"][:, slot], m["mid_k_offset"][:, slot] = ks, ko
-        m["mid_v_scale"][:, slot], m["mid_v_offset"][:, slot] = vs, vo
+        for side in ("k", "v")[: 1 if self.shared else 2]:
+            name = "key" if side == "k" else "value"
+            m[f"mid_{side}_codes"][:, rows] = out[f"{name}_codes"][:, :keep]
+            m[f"mid_{side}_scale"][:, slot], m[f"mid_{side}_offset"][:, slot] = out[f"{name}_scale"], out[f"{name}_offset"]
         m["mid_row_page"][rows] = slot
         self.mid_len, self.mid_pages = rows.stop, slot + 1
         per_byte = 8 // lay.mid_code_bits
-        self.mid_code_bytes += sum(keep * -(-sum(b.ranks) // per_byte)
-                                   for b in (self.segment.key_bases, self.segment.value_bases))
+        coded = [b for b in (self.segment.key_bases, self.segment.value_bases) if b is not None]
+        self.mid_code_bytes += sum(keep * -(-sum(b.ranks) // per_byte) for b in coded)
         self.mid_stat_pages += 1
-        self.mid_f32 = [self.mid_f32[0] or not bool(f16[0]), self.mid_f32[1] or not bool(f16[1])]
+        for side, f16 in enumerate(out["stats_f16"]):
+            self.mid_f32[side] = self.mid_f32[side] or not bool(f16)
 
     # -- reading ---------------------------------------------------------------------------------------
     def feeds(self) -> tuple[dict[str, np.ndarray], tuple[int, int, int]]:
+        """The decode step's cache inputs of this layer and its (exact, recent, mid) lengths."""
         lay = self.r.layout
-        h, P = lay.kv_heads, lay.page_size
-        ek = np.zeros((h, lay.exact_capacity, lay.head_dim), np.float32)
-        ev = np.zeros((h, lay.exact_capacity, lay.value_head_dim), np.float32)
-        e = 0
-        for p in self.pages:
-            if p.keys is not None and p.tokens:
-                ek[:, e: e + p.tokens] = p.keys[:, : p.tokens].numpy()
-                ev[:, e: e + p.tokens] = p.values[:, : p.tokens].numpy()
-                e += p.tokens
-        C = lay.recent_capacity
+        h, P, C = lay.kv_heads, lay.page_size, lay.recent_capacity
         rpb = 8 // lay.recent_code_bits
-        rk = np.zeros((h, C, -(-lay.head_dim // rpb)), np.uint8)
-        rv = np.zeros((h, C, -(-lay.value_head_dim // rpb)), np.uint8)
-        rks = np.zeros((h, C // P, lay.head_dim), np.float32)
-        rko = np.zeros_like(rks)
-        rvs = np.zeros((h, C), np.float32)
-        rvo = np.zeros_like(rvs)
-        j = 0
-        for p in self.pages:
-            if p.recent is not None:
-                q = p.recent
-                rk[:, j * P:(j + 1) * P] = q.keys.codes.numpy()
-                rks[:, j] = q.keys.scale.float()[:, 0].numpy()
-                rko[:, j] = q.keys.offset.float()[:, 0].numpy()
-                rv[:, j * P:(j + 1) * P] = q.values.codes.numpy()
-                rvs[:, j * P:(j + 1) * P] = q.values.scale.float()[..., 0].numpy()
-                rvo[:, j * P:(j + 1) * P] = q.values.offset.float()[..., 0].numpy()
-                j += 1
-        feeds = {"exact_k": ek, "exact_v": ev, "recent_k_codes": rk, "recent_k_scale": rks, "recent_k_offset": rko,
-                 "recent_v_codes": rv, "recent_v_scale": rvs, "recent_v_offset": rvo, **self.mid, **self.bases}
-        return feeds, (e, j * P, self.mid_len)
+        exact = [p for p in self.pages if p.keys is not None and p.tokens]
+        recent = [p.recent for p in self.pages if p.recent is not None]
+        e = sum(p.tokens for p in exact)
+        feeds = {**self.mid, **self.bases}
+        sides = (("k", lay.head_dim, lambda p: p.keys, lambda q: q.keys),
+                 ("v", lay.value_head_dim, lambda p: p.values, lambda q: q.values))
+        for side, dim, exact_of, coded_of in sides[: 1 if self.shared else 2]:
+            rows = np.zeros((h, lay.exact_capacity, dim), np.float32)
+            if exact:
+                rows[:, :e] = torch.cat([exact_of(p)[:, : p.tokens] for p in exact], dim=1).numpy()
+            codes = np.zeros((h, C, -(-dim // rpb)), np.uint8)
+            # Keys: statistics per Recent page and channel; values: per token.
+            stats = (h, C // P, dim) if side == "k" else (h, C)
+            scale, offset = np.zeros(stats, np.float32), np.zeros(stats, np.float32)
+            for j, page in enumerate(recent):
+                q = coded_of(page)
+                codes[:, j * P:(j + 1) * P] = q.codes.numpy()
+                if side == "k":
+                    scale[:, j], offset[:, j] = q.scale.float()[:, 0].numpy(), q.offset.float()[:, 0].numpy()
+                else:
+                    scale[:, j * P:(j + 1) * P] = q.scale.float()[..., 0].numpy()
+                    offset[:, j * P:(j + 1) * P] = q.offset.float()[..., 0].numpy()
+            feeds.update({f"exact_{side}": rows, f"recent_{side}_codes": codes, f"recent_{side}_scale": scale,
+                          f"recent_{side}_offset": offset})
+        return feeds, (e, len(recent) * P, self.mid_len)
 
 
 class HostRunner:
@@ -314,6 +327,8 @@ class HostRunner:
         self.decode = ort.InferenceSession(str(d / "decode_step.onnx"), opts, providers=providers)
         self.compressor = ort.InferenceSession(str(d / "compressor.onnx"), opts, providers=providers)
         self._names = [i.name for i in self.decode.get_inputs()]
+        self._outputs = [o.name for o in self.decode.get_outputs()]
+        self.compressor_outputs = [o.name for o in self.compressor.get_outputs()]
         self.reset()
 
     def reset(self) -> None:
@@ -335,14 +350,13 @@ class HostRunner:
             f, lengths[i] = layer.feeds()
             feeds.update({f"{k}_{i}": v for k, v in f.items()})
         feeds["lengths"] = lengths
-        out = self.decode.run(None, {n: feeds[n] for n in self._names})
-        L = self.layout.num_layers
-        logits, new_k, new_v, queries = out[0], out[1:1 + L], out[1 + L:1 + 2 * L], out[1 + 2 * L:1 + 3 * L]
+        out = dict(zip(self._outputs, self.decode.run(None, {n: feeds[n] for n in self._names})))
         for i, layer in enumerate(self.layers):
-            layer.observe(torch.from_numpy(queries[i]))
-            layer.append(torch.from_numpy(new_k[i]), torch.from_numpy(new_v[i]))
+            layer.observe(torch.from_numpy(out[f"queries_{i}"]))
+            new_v = out.get(f"new_v_{i}")  # absent when the values live in the keys (MLA)
+            layer.append(torch.from_numpy(out[f"new_k_{i}"]), None if new_v is None else torch.from_numpy(new_v))
         self.position += T
-        return logits[0]
+        return out["logits"][0]
 
     def generate(self, input_ids, max_new_tokens: int, prefill_chunk_size: int | None = None,
                  return_logits: bool = False):

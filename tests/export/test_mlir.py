@@ -1,5 +1,8 @@
 """MLIR export: every output type of both graphs is written and names its entry function; the
-compressor's linalg contains no exponential; a lowering failure names the op."""
+compressor's linalg contains no exponential; a lowering failure names the op; the MLA model
+(DeepSeek-V3) lowers too, with no kvtopo op and the latent cache as its inputs."""
+
+import re
 
 import pytest
 import torch
@@ -35,6 +38,26 @@ def test_compressor_mlir_is_exponential_free(mlir_files, output_type):
     assert "math.exp" not in text
     # The decode step does attend with exponentials: the check would see them.
     assert EXP_MARKERS[output_type] in open(mlir_files[f"decode_step.{output_type}"]).read()
+
+
+@pytest.fixture(scope="module")
+def mla_mlir_files(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mla_mlir")
+    return export_package().export_mlir("deepseek-v3", out, config=CONFIG, max_context=128)
+
+
+@pytest.mark.parametrize("output_type", TYPES)
+def test_mla_decode_step_lowers_without_kvtopo_ops(mla_mlir_files, output_type):
+    for graph in ("decode_step", "compressor"):
+        text = open(mla_mlir_files[f"{graph}.{output_type}"]).read()
+        assert f"func.func @{graph}(" in text
+        assert "kvtopo" not in text
+        if output_type != "torch":
+            assert "torch.aten" not in text and "torch.operator" not in text
+    # Inputs: ids, positions, lengths and 10 tensors per layer (latent + RoPE key cache, no values).
+    text = open(mla_mlir_files[f"decode_step.{output_type}"]).read()
+    signature = re.search(r"func\.func @decode_step\((.*?)\) ->", text, re.S).group(1)
+    assert len(re.findall(r"%arg\d+:", signature)) == 3 + 2 * 10, signature
 
 
 class _Unlowerable(nn.Module):
