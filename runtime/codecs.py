@@ -50,20 +50,30 @@ def encode_recent(keys: torch.Tensor, values: torch.Tensor | None, bits: int) ->
 # -- Mid: principal directions -------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class HeadBases:
-    """Per-kv-head principal directions, padded to the largest rank (zero columns beyond rank)."""
+    """Per-kv-head principal directions. Held as float16 columns of each head's true rank only,
+    side by side (that is what they cost); `vectors` rebuilds, per use, the padded float32
+    layout the kernels read (zero columns beyond a head's rank)."""
 
-    vectors: torch.Tensor  # [Hkv, d, R]
-    mean: torch.Tensor  # [Hkv, d]
+    stored: torch.Tensor  # [d, sum of ranks] float16
+    mean: torch.Tensor  # [Hkv, d] float32
     ranks: tuple[int, ...]
 
     @property
     def nbytes(self) -> int:
-        return self.vectors.nbytes + self.mean.nbytes
+        return self.stored.nbytes + self.mean.nbytes
+
+    @property
+    def vectors(self) -> torch.Tensor:
+        """[Hkv, d, R] float32, R = the largest rank."""
+        heads, d = self.mean.shape
+        padded = self.stored.new_zeros(d, heads * max(1, max(self.ranks)), dtype=torch.float32)
+        padded[:, self.columns] = self.stored.float()
+        return padded.view(d, heads, -1).permute(1, 0, 2).contiguous()
 
     @property
     def columns(self) -> torch.Tensor:
         """Indices of the true-rank columns in the flattened [Hkv * R] padded layout."""
-        width = self.vectors.shape[-1]
+        width = max(1, max(self.ranks))
         return torch.cat([h * width + torch.arange(r) for h, r in enumerate(self.ranks)]).long() \
             if sum(self.ranks) else torch.empty(0, dtype=torch.long)
 
@@ -74,20 +84,18 @@ class HeadBases:
 
     def expand(self, flat: torch.Tensor) -> LowRankHeads:
         """Coefficients [n, sum of ranks] -> LowRankHeads for compressed-domain attention."""
-        heads, _, width = self.vectors.shape
+        vectors = self.vectors
+        heads, _, width = vectors.shape
         padded = flat.new_zeros(flat.shape[0], heads * width)
         padded[:, self.columns] = flat
-        return LowRankHeads(padded.view(-1, heads, width).transpose(0, 1), self.vectors, self.mean)
+        return LowRankHeads(padded.view(-1, heads, width).transpose(0, 1), vectors, self.mean)
 
 
 def fit_bases(x: torch.Tensor, energy: float) -> HeadBases:
     """Principal directions of each kv-head's rows of x [Hkv, N, d], keeping `energy` of it."""
     bases = [principal_basis(head, energy) for head in x.float()]
-    width = max(1, max(b.rank for b in bases))
-    vectors = x.new_zeros(x.shape[0], x.shape[-1], width, dtype=torch.float32)
-    for h, b in enumerate(bases):
-        vectors[h, :, : b.rank] = b.vectors
-    return HeadBases(vectors, torch.stack([b.mean for b in bases]), tuple(b.rank for b in bases))
+    stored = torch.cat([b.vectors for b in bases], dim=1).to(torch.float16)
+    return HeadBases(stored, torch.stack([b.mean for b in bases]), tuple(b.rank for b in bases))
 
 
 # -- Mid segment ---------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import torch
 
 from kvtopo.config import Config
 from kvtopo.runtime.codecs import HeadBases, MidSegment, RecentPage, encode_recent, fit_bases
-from kvtopo.runtime.layer_cache import BudgetExceeded
+from kvtopo.runtime.layer_cache import BudgetExceeded, page_room
 from kvtopo.runtime.phases import Phase, PhasePlan
 from kvtopo.runtime.policies import make_policy
 
@@ -68,6 +68,8 @@ class _Layer:
         self.observation: torch.Tensor | None = None
         self.segment: MidSegment | None = None  # bases + the byte arithmetic of the session's Mid segment
         self.mid_page_count = 0  # pages that entered Mid (kept or not)
+        self.mid_tokens = 0  # their tokens before eviction
+        self.final_length = 0  # the length reached when the current append ends
         self.mid_code_bytes = 0  # packed code bytes of keys + values
         self.mid_stat_pages = 0  # pages that kept rows (one statistics row each, per side)
         self.mid_f32 = [False, False]  # a page needed float32 statistics (keys, values)
@@ -116,11 +118,12 @@ class _Layer:
         metadata = 4 * self.block_table_len + (self.observation.nbytes if self.observation is not None else 0)
         return sum(self.page_nbytes(p) for p in self.pages) + self.mid_nbytes() + metadata
 
-    def budget(self) -> float | None:
+    def budget(self, length: int | None = None) -> float | None:
         c, lay = self.r.config, self.r.layout
+        length = self.length if length is None else length
         limits = []
         if c.target_ratio is not None:
-            limits.append(self.length * lay.kv_heads * (lay.head_dim + lay.stored_value_dim) * 2 / c.target_ratio)
+            limits.append(length * lay.kv_heads * (lay.head_dim + lay.stored_value_dim) * 2 / c.target_ratio)
         if c.layer_budget_bytes is not None:
             limits.append(c.layer_budget_bytes)
         return min(limits) if limits else None
@@ -148,6 +151,7 @@ class _Layer:
             return
         lay, plan = self.r.layout, self.r.plan
         P = lay.page_size
+        self.final_length = self.length + n
         if self.segment is None and self._reaches_mid(self.length + n):
             self.segment = self._make_segment(keys, values)
         written = 0
@@ -219,22 +223,27 @@ class _Layer:
     def _keep(self, page: _Page, tokens: int) -> int:
         if not self.r.mid_encoding.evict:
             return tokens
-        budget = self.budget()
+        length = max(self.length, self.final_length)
+        budget = self.budget(length)
         if budget is None:
             return tokens
-        lay = self.r.layout
-        room = budget - (self.nbytes() - self.page_nbytes(page))
+        lay, P = self.r.layout, self.r.layout.page_size
+        coming = self.r.plan.mid_pages(-(-length // P)) * P - self.mid_tokens
+        fp16_token_bytes = lay.kv_heads * (lay.head_dim + lay.stored_value_dim) * 2
+        room = page_room(budget, self.nbytes() - self.page_nbytes(page), page.tokens, coming, self.r.config,
+                         fp16_token_bytes)
         keep = tokens
         while keep > 0 and self.segment.page_nbytes(keep, lay.kv_heads, lay.head_dim, lay.value_head_dim) > room:
             keep -= 1
         if keep == 0 and room < 0 and self.r.config.over_budget == "raise":
-            raise BudgetExceeded(f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {self.length} tokens")
+            raise BudgetExceeded(f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {length} tokens")
         return keep
 
     def _to_mid(self, page: _Page, keys: torch.Tensor, values: torch.Tensor) -> None:
         lay = self.r.layout
         tokens = keys.shape[1]
         keep = self._keep(page, tokens)
+        self.mid_tokens += tokens
         page.mid_rows = keep
         self.mid_page_count += 1
         if keep == 0:

@@ -21,8 +21,34 @@ from .phases import Phase, PhasePlan
 from .policies import Policy, ScoreInputs
 
 
+# Under over_budget="evict", the least share of its own tokens' budget a Mid page keeps
+# (see LayerCache._page_room).
+MIN_BUDGET_SHARE = 0.5
+
+
 class BudgetExceeded(RuntimeError):
     """The byte budget cannot be met even by evicting a whole Mid page (over_budget="raise")."""
+
+
+def page_room(budget: float, held: float, tokens: int, mid_tokens_coming: int, config: Config,
+              fp16_token_bytes: int) -> float:
+    """Bytes a page of `tokens` tokens entering Mid may take, given the sequence-layer's
+    `budget` at the length the current append ends at, the bytes `held` without the page, and
+    the tokens (this page's included) that will have entered Mid by then.
+
+    The room left is shared out by tokens, so that the pages a long chunk pushes into Mid one
+    by one get equal room: judged at the length reached so far, the first pages of a chunk
+    would lose every token and the last ones keep everything. When the budget is a ratio
+    (`target_ratio`, no `layer_budget_bytes`) and over_budget="evict", a page keeps at least
+    `MIN_BUDGET_SHARE` of its own tokens' budget: at short lengths the exact pages and metadata
+    alone can exceed the budget, and evicting the early context whole cannot meet it anyway;
+    once the sequence is long enough to amortize them the budget holds. A byte budget stays a
+    hard cap.
+    """
+    room = (budget - held) * tokens / max(mid_tokens_coming, tokens)
+    if config.over_budget == "evict" and config.target_ratio is not None and config.layer_budget_bytes is None:
+        room = max(room, MIN_BUDGET_SHARE * tokens * fp16_token_bytes / config.target_ratio)
+    return room
 
 
 @dataclass
@@ -42,6 +68,8 @@ class SequenceKV:
     block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
     observation: torch.Tensor | None = None  # the latest queries [Hq, W, d]
     mid: MidSegment | None = None
+    mid_tokens: int = 0  # tokens of the pages that entered Mid, before eviction
+    final_length: int = 0  # the length this sequence reaches when the current append ends
 
 
 @dataclass
@@ -113,6 +141,7 @@ class LayerCache:
         pool = self._pool_for(key, value)
         entry = self.sequences.setdefault(seq, SequenceKV())
         P = self.config.page_size
+        entry.final_length = entry.length + n
         if entry.mid is None and self._reaches_mid(entry.length + n):
             entry.mid = self._make_mid_segment(entry, key, value)
         written = 0
@@ -160,6 +189,7 @@ class LayerCache:
                 page.phase = target
                 return
             keys, values = self._evict(entry, page, keys, values)
+            entry.mid_tokens += page.tokens
             entry.mid.append_page(keys, values)
             page.kept, page.recent, page.mass = keys.shape[1], None, None
         page.phase = target
@@ -195,14 +225,24 @@ class LayerCache:
         return MidSegment(self.mid_encoding, key_bases, value_bases, self.pool.keys.dtype, self.shared_value_dim)
 
     # -- budget and eviction -------------------------------------------------------------------
-    def _budget(self, entry: SequenceKV) -> float | None:
+    def _fp16_token_bytes(self) -> int:
+        """What one token of this layer costs in an fp16 cache (what target_ratio divides)."""
+        return self.pool.keys.shape[1] * (self.pool.keys.shape[-1] + self.pool.values.shape[-1]) * 2
+
+    def _budget(self, length: int) -> float | None:
         limits = []
         if self.config.target_ratio is not None:
-            heads, kd, vd = self.pool.keys.shape[1], self.pool.keys.shape[-1], self.pool.values.shape[-1]
-            limits.append(entry.length * heads * (kd + vd) * 2 / self.config.target_ratio)
+            limits.append(length * self._fp16_token_bytes() / self.config.target_ratio)
         if self.config.layer_budget_bytes is not None:
             limits.append(self.config.layer_budget_bytes)
         return min(limits) if limits else None
+
+    def _page_room(self, entry: SequenceKV, page: Page, budget: float, length: int) -> float:
+        """See `page_room`."""
+        pages_at_end = -(-length // self.config.page_size)
+        return page_room(budget, self.sequence_nbytes(entry) - self._page_nbytes(page), page.tokens,
+                         self.plan.mid_pages(pages_at_end) * self.config.page_size - entry.mid_tokens,
+                         self.config, self._fp16_token_bytes())
 
     def _evict(self, entry: SequenceKV, page: Page, keys: torch.Tensor, values: torch.Tensor):
         if not self.mid_encoding.evict:
@@ -210,17 +250,18 @@ class LayerCache:
         tokens = keys.shape[1]
         cap = self.mid_encoding.max_tokens
         keep = tokens if cap is None else min(cap, tokens)
-        budget = self._budget(entry)
+        length = max(entry.length, entry.final_length)
+        budget = self._budget(length)
         room = None
         if budget is not None:
-            room = budget - (self.sequence_nbytes(entry) - self._page_nbytes(page))
+            room = self._page_room(entry, page, budget, length)
             shape = (keys.shape[0], keys.shape[-1], 0 if values is None else values.shape[-1])
             while keep > 0 and entry.mid.page_nbytes(keep, *shape) > room:
                 keep -= 1
         if keep == 0 and room is not None and room < 0 and self.config.over_budget == "raise":
             raise BudgetExceeded(
-                f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {entry.length} tokens: "
-                f"the exact/Recent pages and metadata already hold {budget - room:.0f} bytes; "
+                f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {length} tokens: the "
+                f"exact/Recent pages and metadata already hold {self.sequence_nbytes(entry) - self._page_nbytes(page)} bytes; "
                 "lower sink_tokens/recent_tokens, or allow over_budget='evict'"
             )
         if keep == tokens:
@@ -286,7 +327,7 @@ class LayerCache:
         """Whether `seq` holds more than its budget now (possible when the exact pages and
         metadata alone exceed it, e.g. at short contexts)."""
         entry = self.sequences.get(seq)
-        budget = self._budget(entry) if entry and self.pool is not None else None
+        budget = self._budget(entry.length) if entry and self.pool is not None else None
         return budget is not None and self.sequence_nbytes(entry) > budget
 
     def sequence_nbytes(self, entry: SequenceKV) -> int:

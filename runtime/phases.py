@@ -43,6 +43,14 @@ class PhasePlan:
         start, end = index * self.page_size, (index + 1) * self.page_size
         return any(s < end and start < e for s, e in self.protected_spans)
 
+    def mid_pages(self, num_pages: int) -> int:
+        """How many of `num_pages` pages are Mid (arithmetic: called at every Mid transition)."""
+        bound = max(0, num_pages - 1 - self.recent_pages)
+        kept = set(range(min(self.initial_pages, bound)))
+        for start, end in self.protected_spans:
+            kept.update(range(start // self.page_size, min(bound, -(-end // self.page_size))))
+        return bound - len(kept)
+
     def phase(self, index: int, num_pages: int) -> Phase:
         """Phase of page `index` (0 = oldest) in a sequence of `num_pages` pages."""
         if not 0 <= index < num_pages:
