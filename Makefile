@@ -23,7 +23,7 @@ test: setup
 
 # Every benchmark in bench/, each writing its JSON (and PNG) to bench/results/. Long: see README.
 bench: setup
-	for b in compile_overhead memory memory_mla decode_speed generate_speed export quality; do \
+	for b in compile_overhead memory decode_speed generate_speed export quality; do \
 		[ -f bench/$$b.py ] && $(BIN)/python bench/$$b.py || exit 1; \
 	done
 

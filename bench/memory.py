@@ -95,6 +95,11 @@ default run therefore does at 128K: topo, full, streaming (default and matched),
 knorm matched only, kivi at 2 bits only, and palu once at the energy matched at 32K (no
 bisection); ``--full-128k`` runs everything. Torch runs single-threaded (``--threads``): the
 store's many small per-page ops ran ~10x slower with 2 OpenMP threads on this shared machine.
+**MLA rows** (``bench/memory_mla.py``, skipped by ``--quick``; ``--mla-tokens``): a
+DeepSeek-V3-shaped MLA layer (128 heads, kv_lora_rank 512, RoPE key 64) at 4K tokens: bytes per
+token of per-head K/V caching, latent caching (lossless) and latent + topo, with the attention
+error vs the original per-head attention in float64; in ``memory.json`` under ``mla``.
+
 Prints a table; writes ``bench/results/memory.json`` and ``memory.png`` (error vs ratio).
 """
 
@@ -113,6 +118,9 @@ import torch
 import kvtopo
 from kvtopo import Config
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import memory_mla  # noqa: E402  (the MLA rows; a module next to this script)
+
 RESULTS = Path(__file__).resolve().parent / "results" / "memory.json"
 
 # The layer: Llama-3-8B attention.
@@ -122,6 +130,9 @@ SCALE = HEAD_DIM ** -0.5
 FP16_PER_TOKEN = KV_HEADS * HEAD_DIM * 2 * 2
 PREFILL_CHUNK = 2048
 LENGTHS = (4096, 32768, 131072)
+# The DeepSeek-V3-shaped MLA rows (bench/memory_mla.py): one length, a few decode queries; the
+# float64 reference expands per-head K/V for 128 heads, ~1 GB at 4K.
+MLA_TOKENS, MLA_QUERIES = 4096, 4
 BASELINES = ("streaming", "snapkv", "h2o", "knorm", "kivi", "palu")
 TARGET_RATIO = 100 / 15  # "85% fewer bytes than fp16"
 MATCH_TOL = 0.02
@@ -625,6 +636,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON at --out")
+    parser.add_argument("--mla-tokens", type=int, default=MLA_TOKENS,
+                        help=f"tokens of the DeepSeek-V3-shaped MLA rows (default {MLA_TOKENS}; 0: skip them)")
     args = parser.parse_args(argv)
     if args.replot:
         plot(json.loads(args.out.read_text())["results"], args.out.with_suffix(".png"))
@@ -647,6 +660,11 @@ def main(argv=None) -> int:
         decode = args.decode or (16 if args.quick else DECODE_QUERIES)
         subset = n >= SUBSET_FROM and not args.full_128k
         results[str(n)] = measure_length(n, decode, policies, not args.no_match, not args.quick, subset, hints, log)
+    mla = {}
+    if args.mla_tokens and not args.quick:
+        mla = {"shape": {"heads": memory_mla.HEADS, "kv_lora_rank": memory_mla.LATENT, "rope": memory_mla.ROPE,
+                         "nope": memory_mla.NOPE, "v": memory_mla.VDIM},
+               "tokens": args.mla_tokens, "rows": memory_mla.run(args.mla_tokens, MLA_QUERIES, log)}
     summary = verdict(results)
     for n, v in summary.items():
         log(f"{n:>7} topo {v['topo_ratio']:.2f}x vs fp16 (target >= {TARGET_RATIO:.2f}x: "
@@ -663,6 +681,7 @@ def main(argv=None) -> int:
                                                                "mid_bits", "key_energy", "value_energy",
                                                                "observation_window", "target_ratio")},
         "results": results,
+        "mla": mla,
         "targets": summary,
         "table": lines,
         "seconds": round(time.perf_counter() - started, 1),
