@@ -188,6 +188,40 @@ def test_unmeetable_budget_evicts_and_reports_the_miss():
     assert mid.tokens == 0 and mid.keys.page_rows.tolist() == [0] * 8  # every Mid page evicted whole
 
 
+def _kept_per_page(config, chunks, n=1024, dim=32):
+    k, v = _structured_kv(n, heads=2, dim=dim, dtype=torch.float16)
+    q = torch.randn(1, 4, n, dim, dtype=torch.float16, generator=torch.Generator().manual_seed(1))
+    with kvtopo.session(config) as s:
+        start = 0
+        for size in chunks:
+            s.attend("l", q[:, :, start:start + size], k[None, :, start:start + size],
+                     v[None, :, start:start + size], None, dim ** -0.5)
+            start += size
+        pages = s.layers["l"].sequences[0].pages
+        return [p.kept for p in pages if p.kept is not None], s.stats()
+
+
+def test_pages_one_chunk_pushes_into_mid_share_the_budget_by_tokens():
+    """One long chunk pushes its pages into Mid one by one; judged at the chunk's end length
+    they get equal room, instead of the first ones losing everything to the exact pages."""
+    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0,
+                           over_budget="raise", observation_window=4)
+    kept, stats = _kept_per_page(config, [1024])
+    assert 0 < min(kept) and max(kept) - min(kept) <= 1, kept
+    assert not stats.budget_missed
+
+
+def test_ratio_budget_keeps_half_a_pages_share_while_fixed_costs_exceed_it():
+    """Under over_budget="evict", a ratio budget that the exact pages and metadata alone exceed
+    (short sequences) does not wipe out the early context: each Mid page keeps at least half its
+    tokens' share; the miss is reported. With "raise", the same run raises."""
+    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0, observation_window=32)
+    kept, stats = _kept_per_page(config, [128, 64])
+    assert kept and min(kept) > 0 and stats.budget_missed, kept
+    with pytest.raises(BudgetExceeded):
+        _kept_per_page(config.replace(over_budget="raise"), [128, 64])
+
+
 def test_protected_span_is_never_evicted():
     k, v = _structured_kv(256, heads=2, dim=16)
     config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=16, protected_spans=((100, 140),), target_ratio=12)
