@@ -34,6 +34,12 @@ def _model(model_or_zoo_name) -> nn.Module:
     return model_or_zoo_name.eval()
 
 
+def _one_epoch(config: Config | None) -> Config:
+    """The exported graphs hold one set of Mid bases per layer: the config they record fits
+    them once (`refit_after=None`); refitting as the sequence grows is a session feature."""
+    return (config or Config()).replace(refit_after=None)
+
+
 def export_onnx(model_or_zoo_name, out_dir, config: Config | None = None,
                 max_context: int = DEFAULT_MAX_CONTEXT) -> dict[str, str]:
     """Write decode_step.onnx, compressor.onnx and layout.json to `out_dir`; return their paths.
@@ -43,7 +49,7 @@ def export_onnx(model_or_zoo_name, out_dir, config: Config | None = None,
     """
     from .onnx_export import export_onnx_files
 
-    return export_onnx_files(_model(model_or_zoo_name), out_dir, config or Config(), max_context)
+    return export_onnx_files(_model(model_or_zoo_name), out_dir, _one_epoch(config), max_context)
 
 
 def export_mlir(model_or_zoo_name, out_dir, config: Config | None = None, max_context: int = 512,
@@ -56,7 +62,7 @@ def export_mlir(model_or_zoo_name, out_dir, config: Config | None = None, max_co
     """
     from .mlir_export import export_mlir_files
 
-    return export_mlir_files(_model(model_or_zoo_name), out_dir, config or Config(), max_context,
+    return export_mlir_files(_model(model_or_zoo_name), out_dir, _one_epoch(config), max_context,
                              tuple(output_types), tokens)
 
 

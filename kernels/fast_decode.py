@@ -148,8 +148,9 @@ class DecodeSegments:
     exact: (keys [Hkv, N0, dk], values [Hkv, N0, dv]) — Initial/Terminal pages plus the step's
     new token (any float dtype); recent: RecentCodes; mid: MidCodes (projected, quantized);
     mid_other: Mid stored another way (baseline policies: dense (keys, values) or float
-    coefficients as (LowRankHeads, LowRankHeads)) attended by the torch reference.
-    Any of them may be None (an empty phase).
+    coefficients as (LowRankHeads, LowRankHeads)) attended by the torch reference;
+    retired: earlier Mid epochs (topo refits its bases as the sequence grows), each MidCodes or,
+    uncoded, (LowRankHeads, LowRankHeads). Any of them may be None/empty (an empty phase).
     """
 
     exact: tuple[Tensor, Tensor] | None = None
@@ -157,16 +158,19 @@ class DecodeSegments:
     mid: MidCodes | None = None
     mid_other: tuple | None = None
     mid_other_projected: bool = False
+    retired: tuple = ()
 
     @property
     def nbytes(self) -> int:
         """Bytes a decode step reads: exact K/V, Recent codes + statistics, Mid codes +
         statistics + row index + bases (the torch-reference fallback segment counted as held)."""
         tensors = list(self.exact or ())
-        for part in (self.recent, self.mid):
+        coded = [self.recent, self.mid] + [e for e in self.retired if isinstance(e, MidCodes)]
+        for part in coded:
             if part is not None:
                 tensors += [v for v in vars(part).values() if isinstance(v, Tensor)]
-        for side in self.mid_other or ():
+        uncoded = list(self.mid_other or ()) + [s for e in self.retired if not isinstance(e, MidCodes) for s in e]
+        for side in uncoded:
             tensors += [side.coefficients, side.vectors, side.mean] if isinstance(side, LowRankHeads) else [side]
         return sum(t.nbytes for t in tensors)
 
@@ -270,7 +274,8 @@ def decode_segments(cache, seq: int, k_new: Tensor | None = None, v_new: Tensor 
         mid = mid_codes(entry.mid)
         if mid is None:
             other = entry.mid.attention_inputs()
-    return DecodeSegments(exact, recent, mid, other, cache.mid_encoding.project)
+    retired = tuple(mid_codes(m) or m.attention_inputs() for m in entry.retired if m.tokens)
+    return DecodeSegments(exact, recent, mid, other, cache.mid_encoding.project, retired)
 
 
 def attend_cache(cache, seq: int, q: Tensor, k_new: Tensor, v_new: Tensor, scale: float) -> Tensor:
@@ -298,10 +303,11 @@ def reference_decode(q: Tensor, segs: DecodeSegments, scale: float, dtype=torch.
         vs.append(v.to(dtype))
     lowrank = segs.mid.decode() if segs.mid is not None else (
         segs.mid_other if segs.mid_other_projected else None)
-    if lowrank is not None:
-        for side, out in zip(lowrank, (ks, vs)):
+    epochs = [e.decode() if isinstance(e, MidCodes) else e for e in segs.retired]
+    for epoch in epochs + ([lowrank] if lowrank is not None else []):
+        for side, out in zip(epoch, (ks, vs)):
             out.append(side.coefficients.to(dtype) @ side.vectors.to(dtype).transpose(1, 2) + side.mean.to(dtype)[:, None])
-    elif segs.mid_other is not None:
+    if lowrank is None and segs.mid_other is not None:
         ks.append(segs.mid_other[0].to(dtype))
         vs.append(segs.mid_other[1].to(dtype))
     k, v = torch.cat(ks, 1), torch.cat(vs, 1)
@@ -350,6 +356,12 @@ def cpu_decode_attention(q: Tensor, segs: DecodeSegments, scale: float) -> Tenso
         attend = partial_lowrank if segs.mid_other_projected else partial_dense
         out, lse = attend(q[:, None], *segs.mid_other, scale)
         parts.append((out[:, 0], lse[:, 0]))
+    for epoch in segs.retired:
+        if isinstance(epoch, MidCodes):
+            parts.append(mid_partial_cpu(q, epoch, scale))
+        else:
+            out, lse = partial_lowrank(q[:, None], *epoch, scale)
+            parts.append((out[:, 0], lse[:, 0]))
     if not parts:
         raise ValueError("decode attention over an empty history")
     return merge_partials(parts)
@@ -700,4 +712,4 @@ def _to(segs: DecodeSegments, device) -> DecodeSegments:
             return tuple(move(v) for v in x)
         return x
     return DecodeSegments(move(segs.exact), move(segs.recent), move(segs.mid), move(segs.mid_other),
-                          segs.mid_other_projected)
+                          segs.mid_other_projected, tuple(move(e) for e in segs.retired))

@@ -293,6 +293,9 @@ def triton_decode_attention(q: Tensor, segs: DecodeSegments, scale: float, out: 
         attend = partial_lowrank if segs.mid_other_projected else partial_dense
         o, lse = attend(q[:, None], *segs.mid_other, scale)
         parts.append((o, lse))
+    for epoch in segs.retired:  # earlier Mid epochs (bases refitted as the sequence grew)
+        parts.append(mid_partial(q, epoch, scale) if isinstance(epoch, MidCodes)
+                     else partial_lowrank(q[:, None], *epoch, scale))
     if not parts:
         raise ValueError("decode attention over an empty history")
     return merge_splits(parts, out)

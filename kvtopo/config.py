@@ -34,6 +34,9 @@ class Config:
     `value_energy` of its keys'/values' energy (None = no projection), coefficients in
     `mid_bits` bits (None = floats); tokens are evicted by the exp-free score of the latest
     `observation_window` queries (`score_margin` logits) when needed to meet the budget.
+    RoPE turns keys as positions grow, so the bases fitted on the first prefill chunk hold
+    less of later keys' energy: past `refit_after` tokens, topo refits them each time the
+    sequence doubles (a new Mid epoch; older epochs keep their bases). None: fit once.
     Budget: `target_ratio` (bytes vs an fp16 cache of the same tokens) and/or
     `layer_budget_bytes` (per sequence and layer); when even evicting a whole page cannot meet
     it, `over_budget` says whether to keep going ("evict": evict what can be, report the miss
@@ -53,6 +56,7 @@ class Config:
     value_energy: float | None = 0.9
     observation_window: int = 32
     score_margin: float = 4.0
+    refit_after: int | None = 2048
     target_ratio: float | None = 8.0
     layer_budget_bytes: int | None = None
     over_budget: str = "evict"
@@ -78,6 +82,8 @@ class Config:
         _require(_int(self.observation_window, 1), "observation_window", self.observation_window, "an int >= 1")
         _require(isinstance(self.score_margin, (int, float)) and self.score_margin > 0,
                  "score_margin", self.score_margin, "a number > 0")
+        _require(self.refit_after is None or _int(self.refit_after, 1), "refit_after", self.refit_after,
+                 "None or an int >= 1 (tokens)")
         _require(self.target_ratio is None or (isinstance(self.target_ratio, (int, float)) and self.target_ratio >= 1),
                  "target_ratio", self.target_ratio, "None or a number >= 1 (times smaller than fp16)")
         _require(self.layer_budget_bytes is None or _int(self.layer_budget_bytes, 1),

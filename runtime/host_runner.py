@@ -329,6 +329,12 @@ class HostRunner:
                               self.config.protected_spans)
         policy = make_policy(self.config)
         self.recent_bits, self.mid_encoding = policy.recent_bits(), policy.mid_encoding()
+        if self.mid_encoding.refit and self.layout.max_context >= 2 * self.config.refit_after:
+            raise ValueError(
+                f"the exported graphs hold one set of Mid bases per layer, but Config.refit_after="
+                f"{self.config.refit_after} refits them from {2 * self.config.refit_after} tokens on, within this "
+                f"export's max_context {self.layout.max_context}: run with refit_after=None (or export a shorter "
+                "max_context)")
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads

@@ -186,6 +186,7 @@ def _history_partials(q, segments: Segments, scale: float) -> list:
     if segments.mid is not None:
         attend = partial_lowrank if segments.mid_projected else partial_dense
         parts.append(attend(q, *segments.mid, scale))
+    parts += [partial_lowrank(q, *epoch, scale) for epoch in segments.retired]
     return parts
 
 

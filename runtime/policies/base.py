@@ -21,6 +21,8 @@ class MidEncoding:
     key_bits / value_bits: low-bit codes (2/4/8) of what is stored; None keeps floats
     (the cache dtype, or float16 for projected coefficients).
     max_tokens: a cap on each Mid page's survivors independent of any budget (StreamingLLM: 0).
+    refit: projected bases are refitted as the sequence grows (Config.refit_after), each fit
+    starting a new Mid epoch.
     """
 
     evict: bool = False
@@ -28,6 +30,7 @@ class MidEncoding:
     key_bits: int | None = None
     value_bits: int | None = None
     max_tokens: int | None = None  # survivors per Mid page at most, whatever the budget (0: drop)
+    refit: bool = False
 
     @property
     def identity(self) -> bool:

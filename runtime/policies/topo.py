@@ -21,8 +21,9 @@ class Topo(Policy):
 
     def mid_encoding(self) -> MidEncoding:
         c = self.config
-        return MidEncoding(evict=self.has_budget(),
-                           project=c.key_energy is not None, key_bits=c.mid_bits, value_bits=c.mid_bits)
+        project = c.key_energy is not None
+        return MidEncoding(evict=self.has_budget(), project=project, key_bits=c.mid_bits, value_bits=c.mid_bits,
+                           refit=project and c.refit_after is not None)
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         if inputs.queries is None:

@@ -107,6 +107,56 @@ def test_compressed_segments_attend_like_their_decompressed_kv():
     torch.testing.assert_close(out[0].double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def _explicit_kv(seg):
+    """Exact, Recent and every Mid epoch of a Segments, decompressed to explicit K/V."""
+    ks, vs = [seg.exact[0]], [seg.exact[1]]
+    if seg.recent is not None:
+        ks.append(seg.recent[0])
+        vs.append(seg.recent[1])
+    for mk, mv in seg.retired + ((seg.mid,) if seg.mid is not None else ()):
+        ks.append(mk.coefficients @ mk.vectors.transpose(1, 2) + mk.mean[:, None])
+        vs.append(mv.coefficients @ mv.vectors.transpose(1, 2) + mv.mean[:, None])
+    return torch.cat(ks, 1), torch.cat(vs, 1)
+
+
+def test_topo_refits_its_bases_each_time_the_sequence_doubles():
+    """Past `refit_after` tokens a new Mid epoch with its own bases starts each time the length
+    doubles; every epoch is attended (session and fast decode path) exactly as its
+    decompressed K/V, and its bytes are counted."""
+    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=None, refit_after=128)
+    n, chunk = 1024, 64
+    k, v = _structured_kv(n, heads=2, dim=16)
+    q = torch.randn(1, 4, n, 16, generator=torch.Generator().manual_seed(2))
+    fits = []
+    with kvtopo.session(config) as s:
+        for start in range(0, n, chunk):
+            s.attend("l", q[:, :, start:start + chunk], k[None, :, start:start + chunk],
+                     v[None, :, start:start + chunk], None, 0.25)
+            entry = s.layers["l"].sequences[0]
+            if entry.mid is not None and (not fits or fits[-1][1] is not entry.mid):
+                fits.append((start + chunk, entry.mid))
+        cache = s.layers["l"]
+        # First fit when Mid is first reached (128 tokens), then at 2 x max(fit, 128).
+        assert [length for length, _ in fits] == [128, 256, 512, 1024]
+        assert entry.retired == [mid for _, mid in fits[:-1]] and all(m.tokens for m in entry.retired)
+        assert len({id(m.key_bases) for _, m in fits}) == 4
+        assert s.stats().total_bytes == _held_tensor_bytes(cache)
+        keys, values = _explicit_kv(cache.segments(0))
+        new_q, new_k, new_v = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16)
+        out_chunk = s.attend("l", new_q[:, :, :1].expand(1, 4, 2, 16).contiguous(), new_k[:, :, :1].expand(1, 2, 2, 16).contiguous(),
+                             new_v[:, :, :1].expand(1, 2, 2, 16).contiguous(), None, 0.25)
+    with kvtopo.session(config) as s2:  # the same history, then one decode step (fast path)
+        for start in range(0, n, chunk):
+            s2.attend("l", q[:, :, start:start + chunk], k[None, :, start:start + chunk],
+                      v[None, :, start:start + chunk], None, 0.25)
+        out_step = s2.attend("l", new_q[:, :, :1], new_k[:, :, :1], new_v[:, :, :1], None, 0.25)
+    full_k = torch.cat([keys, new_k[0, :, :1]], 1).double().repeat_interleave(2, 0)
+    full_v = torch.cat([values, new_v[0, :, :1]], 1).double().repeat_interleave(2, 0)
+    expected = torch.softmax(new_q[0, :, :1].double() @ full_k.transpose(1, 2) * 0.25, -1) @ full_v
+    torch.testing.assert_close(out_step[0].double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_chunk[0, :, :1].double(), expected, atol=1e-5, rtol=1e-5)
+
+
 def _held_tensor_bytes(cache: LayerCache) -> int:
     """Walk every tensor the store holds, independently of LayerCache.nbytes."""
     seen, total = set(), 0
@@ -126,10 +176,10 @@ def _held_tensor_bytes(cache: LayerCache) -> int:
     add(cache.pool.keys), add(cache.pool.values)
     for entry in cache.sequences.values():
         add(entry.block_table), add(entry.observation), add(entry.pages)
-        if entry.mid is not None:
-            for side in (entry.mid.keys, entry.mid.values):
+        for mid in entry.retired + ([entry.mid] if entry.mid is not None else []):
+            for side in (mid.keys, mid.values):
                 add([side.rows, side.scale, side.offset, side.page_rows])
-            add(entry.mid.key_bases), add(entry.mid.value_bases)
+            add(mid.key_bases), add(mid.value_bases)
     return total
 
 
