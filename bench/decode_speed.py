@@ -141,7 +141,7 @@ def main() -> None:
                 cache = s.layers["layer0"]
                 for i in range(start, length, 4096):
                     j = min(length, i + 4096)
-                    cache.observe(0, torch.randn(HQ, min(j - i, 32), D) * 0.3)
+                    cache.observe(0, torch.randn(HQ, min(j - i, 32), D) * 0.3, HKV)
                     cache.append(0, keys[:, i:j], values[:, i:j])
                 held[name] = length
                 caches[name] = cache

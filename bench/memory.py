@@ -380,9 +380,9 @@ LAYER = "layer"
 def store_chunk(session, queries, keys, values) -> None:
     """What `Session.attend` does for one prefill chunk besides computing its (discarded)
     output: remember the chunk's queries as the observation window, then append its K/V
-    (`Session._attend_one`: `cache.observe(seq, q)`, `cache.append(seq, k, v)`). Batch of one."""
+    (`Session._attend_one`: `cache.observe(seq, q, kv_heads)`, `cache.append(seq, k, v)`). Batch of one."""
     cache = session.layers[LAYER]
-    cache.observe(0, queries)
+    cache.observe(0, queries, keys.shape[0])
     cache.append(0, keys, values[..., :0] if getattr(cache, "shared_value_dim", None) else values)
 
 

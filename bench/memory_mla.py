@@ -65,8 +65,6 @@ def run(tokens: int, queries: int, log=print) -> list[dict]:
     configs = {
         "latent, lossless (fp16)": kvtopo.Config.lossless(page_size=32),
         "latent + topo default": kvtopo.Config(),
-        # The observation window holds W queries for each of the 128 heads (576 dims each).
-        "latent + topo default, observation_window 4": kvtopo.Config(observation_window=4),
         "latent + topo 8-bit, 0.99 energy": kvtopo.Config(mid_bits=8, key_energy=0.99, target_ratio=None),
     }
     for name, config in configs.items():

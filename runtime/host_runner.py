@@ -38,7 +38,7 @@ import torch
 
 from kvtopo.config import Config
 from kvtopo.runtime.codecs import HeadBases, MidSegment, RecentPage, encode_recent, fit_bases
-from kvtopo.runtime.layer_cache import BudgetExceeded, page_room
+from kvtopo.runtime.layer_cache import BudgetExceeded, observed_positions, page_room
 from kvtopo.runtime.phases import Phase, PhasePlan
 from kvtopo.runtime.policies import make_policy
 
@@ -132,7 +132,8 @@ class _Layer:
     def observe(self, queries: torch.Tensor) -> None:
         if not self.r.mid_encoding.evict:  # as the session: only eviction scores read them
             return
-        window = self.r.config.observation_window
+        lay = self.r.layout
+        window = observed_positions(self.r.config.observation_window, lay.heads, lay.kv_heads)
         recent = queries[:, -window:].to(torch.float16)
         if self.observation is not None:
             recent = torch.cat([self.observation, recent], dim=1)[:, -window:]

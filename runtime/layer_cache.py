@@ -21,6 +21,19 @@ from .phases import Phase, PhasePlan
 from .policies import Policy, ScoreInputs
 
 
+# Query heads per kv-head whose observation window is held in full (see observed_positions).
+OBSERVED_GROUP = 8
+
+
+def observed_positions(window: int, q_heads: int, kv_heads: int) -> int:
+    """Query positions the observation window holds: `window`, or proportionally fewer (at
+    least one) when more than `OBSERVED_GROUP` query heads share a kv-head, so that it costs
+    what a GQA-8 layer's does. MLA's 128 heads share one latent: 32 positions of 128 absorbed
+    576-dim queries (4.7 MB per layer) outweighed the whole 8x budget of a 4K-token latent
+    cache."""
+    group = max(1, q_heads // max(1, kv_heads))
+    return window if group <= OBSERVED_GROUP else max(1, window * OBSERVED_GROUP // group)
+
 # Under over_budget="evict", the least share of its own tokens' budget a Mid page keeps
 # (see LayerCache._page_room).
 MIN_BUDGET_SHARE = 0.5
@@ -123,13 +136,13 @@ class LayerCache:
         entry = self.sequences.get(seq)
         return entry.length if entry else 0
 
-    def observe(self, seq: int, queries: torch.Tensor) -> None:
-        """Remember the latest `observation_window` queries [Hq, T, d]: eviction scores use them
-        (policies that never evict hold none)."""
+    def observe(self, seq: int, queries: torch.Tensor, kv_heads: int) -> None:
+        """Remember the latest queries [Hq, T, d] (`observed_positions` of them): eviction scores
+        use them (policies that never evict hold none)."""
         entry = self.sequences.setdefault(seq, SequenceKV())
         if not self.mid_encoding.evict:
             return
-        window = self.config.observation_window
+        window = observed_positions(self.config.observation_window, queries.shape[0], kv_heads)
         # float16 is plenty for ranking tokens, and halves what the window costs to hold.
         recent = queries[:, -window:].detach().to(torch.float16)
         if entry.observation is not None:

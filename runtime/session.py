@@ -138,7 +138,7 @@ class Session:
         if q.shape[1] == 1 and cache.length(seq) and not tracks_mass and not cache.shared_value_dim:
             # Decode step: read the stored codes directly (C kernel on CPU, Triton on CUDA).
             out = attend_cache(cache, seq, q, k, v, scale)
-            cache.observe(seq, q)
+            cache.observe(seq, q, k.shape[0])
             cache.append(seq, k, v[..., :0] if cache.shared_value_dim else v)
             return out
         segments = cache.segments(seq)
@@ -154,7 +154,7 @@ class Session:
             out = merge_partials(parts).to(q.dtype)
             if tracks_mass:
                 _accumulate_mass(cache, seq, q, parts, scale)
-        cache.observe(seq, q)
+        cache.observe(seq, q, k.shape[0])
         cache.append(seq, k, v[..., :0] if cache.shared_value_dim else v)
         return out
 

@@ -50,7 +50,7 @@ def test_pages_reach_each_phase_at_exactly_the_right_token(page, sinks, recent, 
     k, v = _structured_kv(sum(chunks), heads=1, dim=4)
     written = 0
     for n in chunks:
-        cache.observe(0, torch.randn(2, n, 4))
+        cache.observe(0, torch.randn(2, n, 4), 1)
         cache.append(0, k[:, written:written + n], v[:, written:written + n])
         written += n
         pages = cache.sequences[0].pages

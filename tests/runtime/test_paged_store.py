@@ -88,7 +88,7 @@ def test_mismatched_kv_shapes_are_refused():
 
 def test_nbytes_are_the_held_tensors():
     cache = LayerCache(4, None)
-    cache.observe(0, torch.randn(4, 3, 4))
+    cache.observe(0, torch.randn(4, 3, 4), 2)
     cache.append(0, *_kv(6))
     kinds = cache.nbytes()
     live = kinds["initial"] + kinds["terminal"]
