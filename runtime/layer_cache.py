@@ -21,6 +21,10 @@ from .phases import Phase, PhasePlan
 from .policies import Policy, ScoreInputs
 
 
+# A refit waits for an append that gives it at least this many tokens per head dimension to fit
+# on (a prefill chunk; decode steps alone would fit 128-dim bases on ~130 tokens).
+REFIT_ROWS_PER_DIM = 4
+
 # Query heads per kv-head whose observation window is held in full (see observed_positions).
 OBSERVED_GROUP = 8
 
@@ -161,7 +165,8 @@ class LayerCache:
         if entry.mid is None and self._reaches_mid(entry.length + n):
             entry.mid = self._make_mid_segment(entry, key, value)
             entry.next_refit = self._next_refit(entry.length + n)
-        elif entry.next_refit is not None and entry.length + n >= entry.next_refit:
+        elif entry.next_refit is not None and entry.length + n >= entry.next_refit \
+                and self._fit_rows(entry, n) >= REFIT_ROWS_PER_DIM * key.shape[-1]:
             entry.retired.append(entry.mid)
             entry.mid = self._make_mid_segment(entry, key, value)
             entry.next_refit = self._next_refit(entry.length + n)
@@ -232,6 +237,10 @@ class LayerCache:
     def _reaches_mid(self, length: int) -> bool:
         pages = -(-length // self.config.page_size)
         return any(self.plan.phase(i, pages) is Phase.MID for i in range(pages))
+
+    def _fit_rows(self, entry: SequenceKV, incoming: int) -> int:
+        """Tokens a fit would see: the exact and Recent pages held plus the incoming chunk."""
+        return incoming + sum(p.tokens for p in entry.pages if p.slot is not None or p.recent is not None)
 
     def _next_refit(self, fitted_at: int) -> int | None:
         """Bases fitted at length `fitted_at` are refitted once the sequence doubles past it (or
