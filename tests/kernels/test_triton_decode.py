@@ -159,23 +159,31 @@ def test_empty_splits_write_zero_weight(poisoned, monkeypatch):
 
 
 @in_process
-def test_matches_runtime_store():
-    """Segments taken from a real session's store (topo: int8 Recent, 4-bit projected Mid)."""
+@pytest.mark.parametrize("chunks", [[300], [64, 256, 256]])
+def test_matches_runtime_store(chunks):
+    """Segments taken from a real session's store (topo: int8 Recent, 4-bit projected Mid; with
+    chunks that make it refit, an earlier Mid epoch with its own bases too)."""
     import kvtopo
     from kvtopo.kernels.compressed_attention import merge_partials, partial_dense
     from kvtopo.runtime.session import _history_partials
 
     torch.manual_seed(0)
-    hkv, hq, d, n = 2, 8, 64, 300
+    hkv, hq, d, n = 2, 8, 64, sum(chunks)
     k = torch.randn(hkv, n, d) @ torch.randn(d, d) * 0.3
     v = torch.randn(hkv, n, d)
-    cfg = kvtopo.Config(page_size=8, sink_tokens=8, recent_tokens=16, target_ratio=None)
+    q_all = torch.randn(1, hq, n, d)
+    cfg = kvtopo.Config(page_size=8, sink_tokens=8, recent_tokens=16, target_ratio=None, refit_after=64)
     with kvtopo.session(cfg) as s:
-        s.attend("l", torch.randn(1, hq, n, d), k[None], v[None], None, d**-0.5)
+        start = 0
+        for size in chunks:
+            end = start + size
+            s.attend("l", q_all[:, :, start:end], k[None, :, start:end], v[None, :, start:end], None, d**-0.5)
+            start = end
         cache = s.layers["l"]
         q, kn, vn = torch.randn(hq, 1, d), torch.randn(hkv, 1, d), torch.randn(hkv, 1, d)
         segs = fast_decode.decode_segments(cache, 0, kn, vn)
         assert segs.mid is not None and segs.recent is not None
+        assert len(segs.retired) == (len(chunks) > 1)
         out = run_kernel(q[:, 0], segs, d**-0.5)
         ref = merge_partials(_history_partials(q, cache.segments(0), d**-0.5)
                              + [partial_dense(q, kn, vn, d**-0.5)])[:, 0]
