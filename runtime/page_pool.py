@@ -8,6 +8,8 @@ hands out a slot that is in use: when it is full and may not grow, `allocate` ra
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -49,7 +51,8 @@ class PagePool:
 
     @property
     def page_nbytes(self) -> int:
-        return (self.keys[0:1].nbytes + self.values[0:1].nbytes) if self.capacity else 0
+        # From the shapes, so that it is right before the first slot exists too.
+        return sum(math.prod(t.shape[1:]) * t.element_size() for t in (self.keys, self.values))
 
     def allocate(self) -> int:
         if not self._free:
