@@ -38,9 +38,10 @@ def synthesize(tokens: int, queries: int, seed: int = 0):
     positions = torch.arange(tokens + queries)
     rope_key = _rope(torch.randn(1, 1, tokens + queries, ROPE, generator=g), positions)
     weight = torch.randn(HEADS * (NOPE + VDIM), LATENT, generator=g) / LATENT ** 0.5
-    query = torch.randn(1, HEADS, queries, NOPE + ROPE, generator=g)
-    query[..., NOPE:] = _rope(query[..., NOPE:], positions[tokens:])
-    return latent, rope_key, weight, query
+    # Queries at every position: the prefill's feed the observation window eviction scores use.
+    query = torch.randn(1, HEADS, tokens + queries, NOPE + ROPE, generator=g)
+    query[..., NOPE:] = _rope(query[..., NOPE:], positions)
+    return latent, rope_key, weight, query[:, :, :tokens].half(), query[:, :, tokens:]
 
 
 def exact_reference(latent, rope_key, weight, query, scale) -> torch.Tensor:
@@ -57,7 +58,7 @@ def exact_reference(latent, rope_key, weight, query, scale) -> torch.Tensor:
 
 
 def run(tokens: int, queries: int, log=print) -> list[dict]:
-    latent, rope_key, weight, query = synthesize(tokens, queries)
+    latent, rope_key, weight, prefill_q, query = synthesize(tokens, queries)
     scale = (NOPE + ROPE) ** -0.5
     start = time.perf_counter()
     expected = exact_reference(latent, rope_key, weight, query, scale)
@@ -69,7 +70,6 @@ def run(tokens: int, queries: int, log=print) -> list[dict]:
     }
     for name, config in configs.items():
         with kvtopo.session(config) as s:
-            prefill_q = torch.zeros(1, HEADS, tokens, NOPE + ROPE, dtype=torch.float16)
             for lo in range(0, tokens, 2048):
                 hi = min(lo + 2048, tokens)
                 torch.ops.kvtopo.mla_attention(prefill_q[:, :, lo:hi], latent[:, :, lo:hi].half(), rope_key[:, :, lo:hi].half(),
