@@ -12,6 +12,7 @@ KIVI-style: keys per channel (per page), values per token and head.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -64,13 +65,14 @@ class HeadBases:
 
     @property
     def vectors(self) -> torch.Tensor:
-        """[Hkv, d, R] float32, R = the largest rank."""
+        """[Hkv, d, R] float32, R = the largest rank (rebuilt per decode step: keep it cheap)."""
         heads, d = self.mean.shape
-        padded = self.stored.new_zeros(d, heads * max(1, max(self.ranks)), dtype=torch.float32)
-        padded[:, self.columns] = self.stored.float()
-        return padded.view(d, heads, -1).permute(1, 0, 2).contiguous()
+        padded = torch.zeros(heads, d, max(1, max(self.ranks)), dtype=torch.float32, device=self.stored.device)
+        for h, part in enumerate(self.stored.split(self.ranks, dim=1)):
+            padded[h, :, : part.shape[1]] = part
+        return padded
 
-    @property
+    @functools.cached_property
     def columns(self) -> torch.Tensor:
         """Indices of the true-rank columns in the flattened [Hkv * R] padded layout."""
         width = max(1, max(self.ranks))
