@@ -33,7 +33,9 @@ class Config:
     Mid (topo): each kv-head keeps the principal directions holding `key_energy` /
     `value_energy` of its keys'/values' energy (None = no projection), coefficients in
     `mid_bits` bits (None = floats); tokens are evicted by the exp-free score of the latest
-    `observation_window` queries (`score_margin` logits) when needed to meet the budget.
+    `observation_window` queries (`score_margin` logits) when needed to meet the budget (a
+    kv-head shared by more than 8 query heads, e.g. MLA's latent, keeps proportionally fewer
+    query positions, at least one).
     RoPE turns keys as positions grow, so the bases fitted on the first prefill chunk hold
     less of later keys' energy: past `refit_after` tokens, topo refits them each time the
     sequence doubles (a new Mid epoch; older epochs keep their bases). None: fit once.
