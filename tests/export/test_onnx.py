@@ -64,6 +64,11 @@ def test_host_runner_matches_session(name, tmp_path):
     assert 0 in kept and CONFIG.page_size in kept and any(0 < k < CONFIG.page_size for k in kept), kept
     # The host holds the bytes the session reports (its pool's free slots aside).
     assert runner.nbytes() == stats.total_bytes - stats.per_kind["free"]
+    # The graphs hold one basis set per layer: the export records no refits, and a config that
+    # would refit within the exported max_context is refused rather than run differently.
+    assert runner.config.refit_after is None
+    with pytest.raises(ValueError, match="refit_after"):
+        HostRunner(tmp_path, config=CONFIG.replace(refit_after=64))
 
 
 @pytest.fixture(scope="module")
