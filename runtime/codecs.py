@@ -3,8 +3,8 @@
 Recent: keys quantized per channel, values per token (`recent_bits`, int8 by default).
 Mid (per `MidEncoding`, `MidSegment`): the tokens kept by eviction (per kv-head, the same
 count per head), optionally projected onto the head's principal directions (`HeadBases`,
-fitted once per sequence and layer), optionally quantized, appended page by page to
-contiguous buffers. Projected coefficients of all heads sit side by side in one
+fitted per Mid epoch: once per sequence and layer, or again as it grows when the policy
+refits), optionally quantized, appended page by page to contiguous buffers. Projected coefficients of all heads sit side by side in one
 [n, sum of ranks] matrix, so only each head's true rank is stored; they are quantized with one
 scale per direction (per page) for keys and values alike. Unprojected tokens are quantized
 KIVI-style: keys per channel (per page), values per token and head.
