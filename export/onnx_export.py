@@ -9,16 +9,13 @@ weights inside (these models are small); `layout.json` next to them says how to 
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import onnx
 import torch
 
 from .compressor import PageCompressor, SharedValuePageCompressor
-from .decode_step import (DecodeStep, cache_shapes, capture, empty_cache, input_names, layout_for,
-                          output_names)
+from .decode_step import DecodeStep, capture, empty_cache, input_names, layout_for, output_names
 
 DECODE_FILE, COMPRESSOR_FILE, LAYOUT_FILE = "decode_step.onnx", "compressor.onnx", "layout.json"
 COMPRESSOR_INPUTS, COMPRESSOR_OUTPUTS = list(PageCompressor.INPUTS), list(PageCompressor.OUTPUTS)

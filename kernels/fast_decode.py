@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import math
 import os
 import subprocess
 import tempfile
@@ -291,8 +290,8 @@ def attend_cache(cache, seq: int, q: Tensor, k_new: Tensor, v_new: Tensor, scale
 # -- reference -------------------------------------------------------------------------------
 
 
-def reference_decode(q: Tensor, segs: DecodeSegments, scale: float, dtype=torch.float64) -> Tensor:
-    """Ground truth: every segment decoded to explicit K/V, one softmax, in ``dtype``."""
+def explicit_kv(segs: DecodeSegments, dtype=torch.float64) -> tuple[Tensor, Tensor]:
+    """Every segment decoded to explicit K and V [Hkv, N, d] in ``dtype`` (same stored codes)."""
     ks, vs = [], []
     if segs.exact is not None:
         ks.append(segs.exact[0].to(dtype))
@@ -310,7 +309,12 @@ def reference_decode(q: Tensor, segs: DecodeSegments, scale: float, dtype=torch.
     if lowrank is None and segs.mid_other is not None:
         ks.append(segs.mid_other[0].to(dtype))
         vs.append(segs.mid_other[1].to(dtype))
-    k, v = torch.cat(ks, 1), torch.cat(vs, 1)
+    return torch.cat(ks, 1), torch.cat(vs, 1)
+
+
+def reference_decode(q: Tensor, segs: DecodeSegments, scale: float, dtype=torch.float64) -> Tensor:
+    """Ground truth: every segment decoded to explicit K/V, one softmax, in ``dtype``."""
+    k, v = explicit_kv(segs, dtype)
     hkv = k.shape[0]
     qg = q.to(dtype).reshape(hkv, -1, q.shape[-1])
     p = torch.softmax(scale * qg @ k.transpose(1, 2), -1)

@@ -12,7 +12,6 @@ KIVI-style: keys per channel (per page), values per token and head.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -72,7 +71,7 @@ class HeadBases:
             padded[h, :, : part.shape[1]] = part
         return padded
 
-    @functools.cached_property
+    @property
     def columns(self) -> torch.Tensor:
         """Indices of the true-rank columns in the flattened [Hkv * R] padded layout."""
         width = max(1, max(self.ranks))

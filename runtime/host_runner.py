@@ -29,7 +29,6 @@ leaves their order unspecified.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,10 +38,8 @@ import torch
 from kvtopo.config import Config
 from kvtopo.runtime.codecs import HeadBases, MidSegment, RecentPage, encode_recent, fit_bases
 from kvtopo.runtime.layer_cache import BudgetExceeded, observed_positions, page_room
-from kvtopo.runtime.phases import Phase, PhasePlan
+from kvtopo.runtime.phases import TRANSITIONS, Phase, PhasePlan
 from kvtopo.runtime.policies import make_policy
-
-_ALLOWED = {Phase.TERMINAL: (Phase.INITIAL, Phase.RECENT, Phase.MID), Phase.RECENT: (Phase.MID,)}
 
 
 @dataclass
@@ -118,12 +115,17 @@ class _Layer:
         metadata = 4 * self.block_table_len + (self.observation.nbytes if self.observation is not None else 0)
         return sum(self.page_nbytes(p) for p in self.pages) + self.mid_nbytes() + metadata
 
+    @property
+    def fp16_token_bytes(self) -> int:
+        lay = self.r.layout
+        return lay.kv_heads * (lay.head_dim + lay.stored_value_dim) * 2
+
     def budget(self, length: int | None = None) -> float | None:
-        c, lay = self.r.config, self.r.layout
+        c = self.r.config
         length = self.length if length is None else length
         limits = []
         if c.target_ratio is not None:
-            limits.append(length * lay.kv_heads * (lay.head_dim + lay.stored_value_dim) * 2 / c.target_ratio)
+            limits.append(length * self.fp16_token_bytes / c.target_ratio)
         if c.layer_budget_bytes is not None:
             limits.append(c.layer_budget_bytes)
         return min(limits) if limits else None
@@ -172,8 +174,7 @@ class _Layer:
             written += take
 
     def _reaches_mid(self, length: int) -> bool:
-        pages = -(-length // self.r.layout.page_size)
-        return any(self.r.plan.phase(i, pages) is Phase.MID for i in range(pages))
+        return self.r.plan.mid_pages(-(-length // self.r.layout.page_size)) > 0
 
     def _make_segment(self, new_keys, new_values) -> MidSegment:
         enc, c = self.r.mid_encoding, self.r.config
@@ -205,7 +206,7 @@ class _Layer:
 
     def _transition(self, index: int, target: Phase) -> None:
         page = self.pages[index]
-        if target not in _ALLOWED.get(page.phase, ()):
+        if target not in TRANSITIONS.get(page.phase, ()):
             raise RuntimeError(f"illegal page transition {page.phase.value} -> {target.value} (page {index})")
         recent_bits = self.r.recent_bits
         if target is Phase.INITIAL or (target is Phase.RECENT and recent_bits is None) or \
@@ -230,9 +231,8 @@ class _Layer:
             return tokens
         lay, P = self.r.layout, self.r.layout.page_size
         coming = self.r.plan.mid_pages(-(-length // P)) * P - self.mid_tokens
-        fp16_token_bytes = lay.kv_heads * (lay.head_dim + lay.stored_value_dim) * 2
         room = page_room(budget, self.nbytes() - self.page_nbytes(page), page.tokens, coming, self.r.config,
-                         fp16_token_bytes)
+                         self.fp16_token_bytes)
         keep = tokens
         while keep > 0 and self.segment.page_nbytes(keep, lay.kv_heads, lay.head_dim, lay.value_head_dim) > room:
             keep -= 1

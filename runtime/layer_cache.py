@@ -17,7 +17,7 @@ from kvtopo.config import Config
 
 from .codecs import MidSegment, RecentPage, encode_recent, fit_bases
 from .page_pool import PagePool
-from .phases import Phase, PhasePlan
+from .phases import TRANSITIONS, Phase, PhasePlan
 from .policies import Policy, ScoreInputs
 
 
@@ -201,8 +201,7 @@ class LayerCache:
 
     def _transition(self, entry: SequenceKV, index: int, target: Phase) -> None:
         page = entry.pages[index]
-        allowed = {Phase.TERMINAL: (Phase.INITIAL, Phase.RECENT, Phase.MID), Phase.RECENT: (Phase.MID,)}
-        if target not in allowed.get(page.phase, ()):
+        if target not in TRANSITIONS.get(page.phase, ()):
             raise RuntimeError(f"illegal page transition {page.phase.value} -> {target.value} (page {index})")
         if target is Phase.INITIAL or (target is Phase.RECENT and self.recent_bits is None):
             page.phase = target
@@ -235,12 +234,12 @@ class LayerCache:
         return page.recent.decode()
 
     def _reaches_mid(self, length: int) -> bool:
-        pages = -(-length // self.config.page_size)
-        return any(self.plan.phase(i, pages) is Phase.MID for i in range(pages))
+        return self.plan.mid_pages(-(-length // self.config.page_size)) > 0
 
     def _fit_rows(self, entry: SequenceKV, incoming: int) -> int:
-        """Tokens a fit would see: the exact and Recent pages held plus the incoming chunk."""
-        return incoming + sum(p.tokens for p in entry.pages if p.slot is not None or p.recent is not None)
+        """Tokens a fit would see: the exact and Recent pages held (every token not yet in Mid)
+        plus the incoming chunk."""
+        return incoming + entry.length - entry.mid_tokens
 
     def _next_refit(self, fitted_at: int) -> int | None:
         """Bases fitted at length `fitted_at` are refitted once the sequence doubles past it (or

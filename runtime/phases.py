@@ -24,6 +24,10 @@ class Phase(str, enum.Enum):
     TERMINAL = "terminal"
 
 
+# The moves a page may make (each re-encodes it at most once).
+TRANSITIONS = {Phase.TERMINAL: (Phase.INITIAL, Phase.RECENT, Phase.MID), Phase.RECENT: (Phase.MID,)}
+
+
 @dataclass(frozen=True)
 class PhasePlan:
     page_size: int

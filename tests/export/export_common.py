@@ -3,7 +3,12 @@ and Mid pages occur."""
 
 import importlib
 
+import numpy as np
+import torch
+
+import kvtopo
 from kvtopo.config import Config
+from kvtopo.runtime.host_runner import HostRunner
 
 
 def export_package():
@@ -20,3 +25,21 @@ def export_module(name: str):
 CONFIG = Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=None, layer_budget_bytes=24000,
                 prefill_chunk_size=64)
 
+
+
+def assert_host_runner_matches_session(model, export_dir, config: Config, prompt: int, new: int) -> HostRunner:
+    """Greedy generation of `new` tokens after a random `prompt`-token prompt through
+    onnxruntime (HostRunner over `export_dir`) and through the compiled model in a PyTorch
+    session agree: same tokens, logits within 1e-3, the same KV bytes held (the session's free
+    pool slots aside). Returns the runner, for checks of what it holds."""
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
+    runner = HostRunner(export_dir)
+    tokens, logits = runner.generate(ids[0].numpy(), new, return_logits=True)
+    kvtopo.compile(model, inductor=False)
+    with kvtopo.session(config) as session:
+        ref_tokens, ref_logits = kvtopo.generate(model, ids, new, return_logits=True)
+        stats = session.stats()
+    assert tokens.tolist() == ref_tokens[0].tolist()
+    assert np.abs(logits - ref_logits[0].numpy()).max() < 1e-3
+    assert runner.nbytes() == stats.total_bytes - stats.per_kind["free"]
+    return runner

@@ -2,20 +2,17 @@
 page compressor against the runtime's shared-value Mid segment, and a clear refusal of models
 mixing MLA and plain attention layers."""
 
-import numpy as np
 import onnx
 import pytest
 import torch
 
-import kvtopo
 from kvtopo.config import Config
 from kvtopo.kernels.quant import unpack
 from kvtopo.models import zoo
 from kvtopo.runtime.codecs import MidSegment, fit_bases
-from kvtopo.runtime.host_runner import HostRunner
 from kvtopo.runtime.policies import ScoreInputs, make_policy
 
-from export_common import CONFIG, export_module, export_package
+from export_common import CONFIG, assert_host_runner_matches_session, export_module, export_package
 
 PROMPT, NEW = 256, 32
 LATENT, ROPE = 32, 8  # the deepseek-v3 zoo model's kv_lora_rank and qk_rope_head_dim
@@ -42,18 +39,7 @@ def test_mla_host_runner_matches_session(which, tmp_path):
     assert not [n for n in inputs if n.startswith(("exact_v", "recent_v", "mid_v", "value_"))]
     assert [o.name for o in decode.graph.output] == ["logits", "new_k_0", "new_k_1", "queries_0", "queries_1"]
 
-    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(1))
-    runner = HostRunner(tmp_path)
-    tokens, logits = runner.generate(ids[0].numpy(), NEW, return_logits=True)
-
-    kvtopo.compile(model, inductor=False)
-    with kvtopo.session(config) as session:
-        ref_tokens, ref_logits = kvtopo.generate(model, ids, NEW, return_logits=True)
-        stats = session.stats()
-
-    assert tokens.tolist() == ref_tokens[0].tolist()
-    assert np.abs(logits - ref_logits[0].numpy()).max() < 1e-3
-    assert runner.nbytes() == stats.total_bytes - stats.per_kind["free"]
+    runner = assert_host_runner_matches_session(model, tmp_path, config, PROMPT, NEW)
     pages = [p for layer in runner.layers for p in layer.pages]
     assert {p.phase.value for p in pages} == {"initial", "mid", "recent", "terminal"}
     kept = [p.mid_rows for p in pages if p.mid_rows is not None]

@@ -1,6 +1,5 @@
 """ONNX export: onnxruntime + HostRunner against the PyTorch session, and the exp-free compressor."""
 
-import numpy as np
 import onnx
 import onnx.inliner
 import pytest
@@ -8,14 +7,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kvtopo
 from kvtopo.kernels.quant import unpack
 from kvtopo.models import zoo
 from kvtopo.runtime.codecs import MidSegment, fit_bases
 from kvtopo.runtime.host_runner import HostRunner
 from kvtopo.runtime.policies import ScoreInputs, make_policy
 
-from export_common import CONFIG, export_module, export_package
+from export_common import CONFIG, assert_host_runner_matches_session, export_module, export_package
 
 EXPONENTIAL_OPS = {"Exp", "Softmax", "LogSoftmax", "Sigmoid", "Tanh", "Erf"}
 PROMPT, NEW = 256, 32
@@ -46,24 +44,12 @@ def test_host_runner_matches_session(name, tmp_path):
         onnx.checker.check_model(onnx.load(paths[key]), full_check=True)
         assert not any(op.domain not in ("", "ai.onnx") for op in onnx.load(paths[key]).opset_import)
 
-    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(1))
-    runner = HostRunner(tmp_path)
-    tokens, logits = runner.generate(ids[0].numpy(), NEW, return_logits=True)
-
-    kvtopo.compile(model, inductor=False)
-    with kvtopo.session(CONFIG) as session:
-        ref_tokens, ref_logits = kvtopo.generate(model, ids, NEW, return_logits=True)
-        stats = session.stats()
-
-    assert tokens.tolist() == ref_tokens[0].tolist()
-    assert np.abs(logits - ref_logits[0].numpy()).max() < 1e-3
+    runner = assert_host_runner_matches_session(model, tmp_path, CONFIG, PROMPT, NEW)
     # Every phase really occurred, eviction kept some Mid pages whole, some partly, some not at all.
     phases = {p.phase.value for layer in runner.layers for p in layer.pages}
     assert phases == {"initial", "mid", "recent", "terminal"}
     kept = [p.mid_rows for layer in runner.layers for p in layer.pages if p.mid_rows is not None]
     assert 0 in kept and CONFIG.page_size in kept and any(0 < k < CONFIG.page_size for k in kept), kept
-    # The host holds the bytes the session reports (its pool's free slots aside).
-    assert runner.nbytes() == stats.total_bytes - stats.per_kind["free"]
     # The graphs hold one basis set per layer: the export records no refits, and a config that
     # would refit within the exported max_context is refused rather than run differently.
     assert runner.config.refit_after is None

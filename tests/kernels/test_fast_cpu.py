@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvtopo
@@ -22,30 +22,7 @@ from kvtopo.kernels import fast_decode
 from kvtopo.kernels.compressed_attention import merge_partials, partial_dense
 from kvtopo.runtime.session import _history_partials
 
-U = 2.0**-24
-
-
-def decoded_kv(segs):
-    ks, vs = [], []
-    if segs.exact is not None:
-        ks.append(segs.exact[0].double())
-        vs.append(segs.exact[1].double())
-    if segs.recent is not None:
-        k, v = segs.recent.decode()
-        ks.append(k.double())
-        vs.append(v.double())
-    if segs.mid is not None:
-        for side, out in zip(segs.mid.decode(), (ks, vs)):
-            out.append(side.coefficients.double() @ side.vectors.double().transpose(1, 2) + side.mean.double()[:, None])
-    return torch.cat(ks, 1), torch.cat(vs, 1)
-
-
-def error_bound(q, segs, scale):
-    k, v = decoded_kv(segs)
-    hkv, n, d = k.shape
-    qg = q.double().abs().reshape(hkv, -1, d)
-    logit_mass = (scale * qg @ k.abs().transpose(1, 2)).max().item()
-    return 4 * U * ((2 * d + 8) * logit_mass + n + 64) * v.abs().max().item()
+from decode_bound import error_bound
 
 
 @st.composite

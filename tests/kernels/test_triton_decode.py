@@ -39,6 +39,8 @@ from kvtopo.kernels import fast_decode
 from kvtopo.kernels import triton_decode
 from kvtopo.kernels.quant import quantize
 
+from decode_bound import error_bound
+
 in_process = pytest.mark.skipif(PREIMPORTED, reason="triton was imported without the interpreter: "
                                 "covered by test_in_fresh_interpreter_process")
 
@@ -50,34 +52,6 @@ def test_in_fresh_interpreter_process():
                          env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" in run.stdout  # the real tests ran there
-
-
-U = 2.0**-24
-
-
-def decoded_kv(segs):
-    """float64 K and V [Hkv, N, d] of every segment (what the reference attends to)."""
-    ks, vs = [], []
-    if segs.exact is not None:
-        ks.append(segs.exact[0].double())
-        vs.append(segs.exact[1].double())
-    if segs.recent is not None:
-        k, v = segs.recent.decode()
-        ks.append(k.double())
-        vs.append(v.double())
-    if segs.mid is not None:
-        for side, out in zip(segs.mid.decode(), (ks, vs)):
-            out.append(side.coefficients.double() @ side.vectors.double().transpose(1, 2) + side.mean.double()[:, None])
-    return torch.cat(ks, 1), torch.cat(vs, 1)
-
-
-def error_bound(q, segs, scale):
-    k, v = decoded_kv(segs)
-    hkv, n, d = k.shape
-    qg = q.double().abs().reshape(hkv, -1, d)
-    logit_mass = (scale * qg @ k.abs().transpose(1, 2)).max().item()
-    return 4 * U * ((2 * d + 8) * logit_mass + n + 64) * v.abs().max().item()
-
 
 @st.composite
 def segment_cases(draw):

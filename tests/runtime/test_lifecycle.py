@@ -12,6 +12,8 @@ from kvtopo.runtime.layer_cache import BudgetExceeded, LayerCache
 from kvtopo.runtime.phases import Phase, PhasePlan
 from kvtopo.runtime.policies import make_policy
 
+from store_walk import held_tensor_bytes
+
 
 def _cache(**fields) -> LayerCache:
     config = kvtopo.Config(**fields)
@@ -79,6 +81,18 @@ def test_every_phase_exact_is_identical_to_lossless():
     assert torch.equal(logits, lossless_logits)
 
 
+def _explicit_kv(seg):
+    """Exact, Recent and every Mid epoch of a Segments, decompressed to explicit K/V."""
+    ks, vs = [seg.exact[0]], [seg.exact[1]]
+    if seg.recent is not None:
+        ks.append(seg.recent[0])
+        vs.append(seg.recent[1])
+    for mk, mv in seg.retired + ((seg.mid,) if seg.mid is not None else ()):
+        ks.append(mk.coefficients @ mk.vectors.transpose(1, 2) + mk.mean[:, None])
+        vs.append(mv.coefficients @ mv.vectors.transpose(1, 2) + mv.mean[:, None])
+    return torch.cat(ks, 1), torch.cat(vs, 1)
+
+
 def test_compressed_segments_attend_like_their_decompressed_kv():
     """Attention in a session with Recent/Mid pages equals exact attention over the K/V the
     store would decompress to (same codes), within float32 rounding."""
@@ -92,31 +106,14 @@ def test_compressed_segments_attend_like_their_decompressed_kv():
         s.attend("l", q.expand(1, 4, 100, 16).contiguous(), k[None], v[None], None, 0.25)
         cache = s.layers["l"]
         seg = cache.segments(0)
-        parts_k, parts_v = [seg.exact[0]], [seg.exact[1]]
-        parts_k.append(seg.recent[0])
-        parts_v.append(seg.recent[1])
-        mk, mv = seg.mid
-        assert isinstance(mk, LowRankHeads)
-        parts_k.append(mk.coefficients @ mk.vectors.transpose(1, 2) + mk.mean[:, None])
-        parts_v.append(mv.coefficients @ mv.vectors.transpose(1, 2) + mv.mean[:, None])
+        assert seg.recent is not None and isinstance(seg.mid[0], LowRankHeads)
+        stored_k, stored_v = _explicit_kv(seg)
         new_k, new_v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
         out = s.attend("l", q, new_k, new_v, None, 0.25)
-    keys = torch.cat(parts_k + [new_k[0]], 1).double().repeat_interleave(2, 0)
-    values = torch.cat(parts_v + [new_v[0]], 1).double().repeat_interleave(2, 0)
+    keys = torch.cat([stored_k, new_k[0]], 1).double().repeat_interleave(2, 0)
+    values = torch.cat([stored_v, new_v[0]], 1).double().repeat_interleave(2, 0)
     expected = torch.softmax(q[0].double() @ keys.transpose(1, 2) * 0.25, -1) @ values
     torch.testing.assert_close(out[0].double(), expected, atol=1e-5, rtol=1e-5)
-
-
-def _explicit_kv(seg):
-    """Exact, Recent and every Mid epoch of a Segments, decompressed to explicit K/V."""
-    ks, vs = [seg.exact[0]], [seg.exact[1]]
-    if seg.recent is not None:
-        ks.append(seg.recent[0])
-        vs.append(seg.recent[1])
-    for mk, mv in seg.retired + ((seg.mid,) if seg.mid is not None else ()):
-        ks.append(mk.coefficients @ mk.vectors.transpose(1, 2) + mk.mean[:, None])
-        vs.append(mv.coefficients @ mv.vectors.transpose(1, 2) + mv.mean[:, None])
-    return torch.cat(ks, 1), torch.cat(vs, 1)
 
 
 def test_topo_refits_its_bases_each_time_the_sequence_doubles():
@@ -140,7 +137,7 @@ def test_topo_refits_its_bases_each_time_the_sequence_doubles():
         assert [length for length, _ in fits] == [128, 256, 512, 1024]
         assert entry.retired == [mid for _, mid in fits[:-1]] and all(m.tokens for m in entry.retired)
         assert len({id(m.key_bases) for _, m in fits}) == 4
-        assert s.stats().total_bytes == _held_tensor_bytes(cache)
+        assert s.stats().total_bytes == held_tensor_bytes(cache)
         keys, values = _explicit_kv(cache.segments(0))
         new_q, new_k, new_v = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16)
         out_chunk = s.attend("l", new_q[:, :, :1].expand(1, 4, 2, 16).contiguous(), new_k[:, :, :1].expand(1, 2, 2, 16).contiguous(),
@@ -157,32 +154,6 @@ def test_topo_refits_its_bases_each_time_the_sequence_doubles():
     torch.testing.assert_close(out_chunk[0, :, :1].double(), expected, atol=1e-5, rtol=1e-5)
 
 
-def _held_tensor_bytes(cache: LayerCache) -> int:
-    """Walk every tensor the store holds, independently of LayerCache.nbytes."""
-    seen, total = set(), 0
-
-    def add(t):
-        nonlocal total
-        if isinstance(t, torch.Tensor) and id(t) not in seen:
-            seen.add(id(t))
-            total += t.nbytes
-        elif hasattr(t, "__dataclass_fields__"):
-            for name in t.__dataclass_fields__:
-                add(getattr(t, name))
-        elif isinstance(t, (list, tuple)):
-            for x in t:
-                add(x)
-
-    add(cache.pool.keys), add(cache.pool.values)
-    for entry in cache.sequences.values():
-        add(entry.block_table), add(entry.observation), add(entry.pages)
-        for mid in entry.retired + ([entry.mid] if entry.mid is not None else []):
-            for side in (mid.keys, mid.values):
-                add([side.rows, side.scale, side.offset, side.page_rows])
-            add(mid.key_bases), add(mid.value_bases)
-    return total
-
-
 @pytest.mark.parametrize("policy_fields", [
     dict(target_ratio=2.0),
     dict(target_ratio=None, key_energy=None, value_energy=None, mid_bits=2),
@@ -195,7 +166,7 @@ def test_stats_bytes_are_the_held_tensors(policy_fields):
         for start in range(0, 300, 64):
             s.attend("l", q[:, :, start:start + 64], k[None, :, start:start + 64], v[None, :, start:start + 64], None, 0.2)
         stats = s.stats()
-        assert stats.total_bytes == _held_tensor_bytes(s.layers["l"])
+        assert stats.total_bytes == held_tensor_bytes(s.layers["l"])
         assert stats.total_bytes == sum(stats.per_kind.values())
         assert stats.per_kind["mid"] > 0
 

@@ -21,6 +21,8 @@ from kvtopo.runtime.phases import Phase
 from kvtopo.runtime.policies import POLICIES, ScoreInputs, make_policy
 from kvtopo.runtime.policies.snapkv import max_pool_tokens
 
+from store_walk import held_tensor_bytes
+
 BASELINES = ("streaming", "snapkv", "h2o", "knorm", "kivi", "palu")
 EVICTING = ("snapkv", "h2o", "knorm")
 
@@ -58,30 +60,6 @@ def _exact(q, k, v, scale=0.25):
     logits = q.double() @ kk.transpose(1, 2) * scale
     mask = torch.ones(n, n, dtype=torch.bool).tril()
     return torch.softmax(logits.masked_fill(~mask, -math.inf), -1) @ vv
-
-
-def _held_tensor_bytes(cache) -> int:
-    """Every tensor the store holds, walked independently of LayerCache.nbytes."""
-    seen, total = set(), 0
-
-    def add(t):
-        nonlocal total
-        if isinstance(t, torch.Tensor) and id(t) not in seen:
-            seen.add(id(t))
-            total += t.nbytes
-        elif hasattr(t, "__dataclass_fields__"):
-            for name in t.__dataclass_fields__:
-                add(getattr(t, name))
-        elif isinstance(t, (list, tuple)):
-            for x in t:
-                add(x)
-        elif t is not None and hasattr(t, "__dict__") and not isinstance(t, (type, torch.dtype)):
-            add(list(vars(t).values()))
-
-    add(cache.pool.keys), add(cache.pool.values)
-    for entry in cache.sequences.values():
-        add(entry.block_table), add(entry.observation), add(entry.pages), add(entry.mid)
-    return total
 
 
 def _mid_pages(session, layer="l"):
@@ -173,7 +151,7 @@ def test_reported_bytes_are_the_held_tensors(name, page, sinks, recent, chunks, 
     s, out = _run(Config(**fields), q, k, v, chunks=chunks)
     stats = s.stats()
     assert bool(torch.isfinite(out).all())
-    assert stats.total_bytes == sum(stats.per_kind.values()) == _held_tensor_bytes(s.layers["l"])
+    assert stats.total_bytes == sum(stats.per_kind.values()) == held_tensor_bytes(s.layers["l"])
     assert stats.fp16_bytes == n * 2 * 2 * 16 * 2
     if name == "streaming":  # no Mid token; only the segment's int32 row count per Mid page
         entry = s.layers["l"].sequences[0]

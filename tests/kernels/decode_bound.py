@@ -1,0 +1,15 @@
+"""The float32 error bound both decode-kernel tests (C and Triton) check against float64; its
+derivation is in tests/kernels/test_triton_decode.py's docstring."""
+
+from kvtopo.kernels.fast_decode import explicit_kv
+
+U = 2.0**-24  # float32 unit roundoff
+
+
+def error_bound(q, segs, scale: float) -> float:
+    """4 u ((2d + 8) L + N + 64) V over the decoded segments (L: largest absolute logit mass)."""
+    k, v = explicit_kv(segs)
+    hkv, n, d = k.shape
+    qg = q.double().abs().reshape(hkv, -1, d)
+    logit_mass = (scale * qg @ k.abs().transpose(1, 2)).max().item()
+    return 4 * U * ((2 * d + 8) * logit_mass + n + 64) * v.abs().max().item()
