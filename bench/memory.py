@@ -76,7 +76,8 @@ recorded under ``structure``), per kv-head:
   and the (more numerous) heavy hitters' grows; the measured shares are in ``structure``.
 
 Matched bytes ("at the same bytes"): topo runs at its Config defaults (8x budget; Mid projected
-at 0.9 energy, 4-bit; Recent 8-bit), plus a curve over ``target_ratio`` (``TOPO_CURVE``). Each
+at 0.9 energy, 4-bit; Recent 8-bit), plus the same with its bases fitted once
+(``refit_after=None``, every length) and a curve over ``target_ratio`` (``TOPO_CURVE``). Each
 baseline runs at its defaults (``Config(policy=name)``) and with its knob tuned so its total
 bytes match topo's at that length:
 * snapkv/h2o/knorm: ``target_ratio``, secant steps on log(bytes) until within ``MATCH_TOL``;
@@ -513,6 +514,10 @@ def measure_length(n: int, decode: int, policies: tuple[str, ...], match: bool, 
     topo = run(inputs, _defaults("topo"), reference)
     out["runs"]["topo"] = {"default": topo | {"knob": {}}, "curve": []}
     log(_row(n, "topo", "default", topo))
+    # What refitting the bases as the sequence doubles buys: the default with one fit.
+    single_fit = run(inputs, _defaults("topo", refit_after=None), reference)
+    out["runs"]["topo"]["no_refits"] = single_fit | {"knob": {"refit_after": None}}
+    log(_row(n, "topo", "refit_after=None", single_fit))
     for ratio in TOPO_CURVE if curve and not subset else ():
         point = run(inputs, _defaults("topo", target_ratio=ratio), reference)
         out["runs"]["topo"]["curve"].append(point | {"knob": {"target_ratio": ratio}})

@@ -442,6 +442,9 @@ def parse_args(argv):
     p.add_argument("--ppl-tokens", type=int, default=None,
                    help=f"scored (teacher-forced decode) tokens per window (default {PPL_TOKENS})")
     p.add_argument("--no-scoring", action="store_true", help="skip the exp-free score agreement section")
+    p.add_argument("--prefill-chunk", type=int, default=WINDOWS["prefill_chunk_size"],
+                   help="prompt tokens per forward (default %(default)s; the prompt length: every page is "
+                        "evicted with the question in the observation window)")
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     p.add_argument("--inductor", action="store_true", help="compile with Inductor (default: kvtopo passes, eager rest)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the cores are shared)")
@@ -464,6 +467,7 @@ def parse_args(argv):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    WINDOWS["prefill_chunk_size"] = args.prefill_chunk  # every session config below, and the JSON
     started = time.perf_counter()
     policies = []
     for policy in args.policies:
