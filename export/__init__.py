@@ -34,10 +34,11 @@ def _model(model_or_zoo_name) -> nn.Module:
     return model_or_zoo_name.eval()
 
 
-def _one_epoch(config: Config | None) -> Config:
-    """The exported graphs hold one set of Mid bases per layer: the config they record fits
-    them once (`refit_after=None`); refitting as the sequence grows is a session feature."""
-    return (config or Config()).replace(refit_after=None)
+def _exported_config(config: Config | None) -> Config:
+    """What the exported graphs do: they hold one set of Mid bases per layer, so the config
+    they record fits them once (`refit_after=None`), and their compressor ranks one page at a
+    time (`eviction_scope="page"`); refits and joint eviction are session features."""
+    return (config or Config()).replace(refit_after=None, eviction_scope="page")
 
 
 def export_onnx(model_or_zoo_name, out_dir, config: Config | None = None,
@@ -49,7 +50,7 @@ def export_onnx(model_or_zoo_name, out_dir, config: Config | None = None,
     """
     from .onnx_export import export_onnx_files
 
-    return export_onnx_files(_model(model_or_zoo_name), out_dir, _one_epoch(config), max_context)
+    return export_onnx_files(_model(model_or_zoo_name), out_dir, _exported_config(config), max_context)
 
 
 def export_mlir(model_or_zoo_name, out_dir, config: Config | None = None, max_context: int = 512,
@@ -62,7 +63,7 @@ def export_mlir(model_or_zoo_name, out_dir, config: Config | None = None, max_co
     """
     from .mlir_export import export_mlir_files
 
-    return export_mlir_files(_model(model_or_zoo_name), out_dir, _one_epoch(config), max_context,
+    return export_mlir_files(_model(model_or_zoo_name), out_dir, _exported_config(config), max_context,
                              tuple(output_types), tokens)
 
 

@@ -4,12 +4,13 @@ What `runtime.layer_cache` does to a page entering Mid under the `topo` policy, 
 function of tensors with static shapes (so NPU toolchains get one fixed graph):
 
 1. score every token with `kernels.scoring.expfree_scores` (matmul, max, subtract, relu, sum —
-   no exponential) against the observation-window queries;
+   no exponential) against the observation-window queries, carried forward to each token's
+   successors (`runtime.policies.topo.carry_forward`, a running max);
 2. keep the `keep` highest per kv-head. Instead of TopK (data-dependent output shape, and an
    unspecified order among equal scores) each token's rank is counted with comparisons:
    ``rank_i = #{j: s_j > s_i} + #{j < i: s_j == s_i}``, kept = rank < keep, i.e. ties go to the
    lower index. The kept tokens are written in ascending index order into the first `keep`
-   of P slots (what ``topk(keep).indices.sort()`` gives when there are no ties at the cut);
+   of P slots (what `runtime.layer_cache.best_tokens` gives);
 3. project the kept keys/values onto the head's principal directions (`HeadBases` padded to
    `rank_capacity` zero columns: padded columns give exact zeros and code 0);
 4. quantize each direction over the kept tokens exactly like `kernels.quant.quantize(x, bits,
@@ -38,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from kvtopo.kernels.quant import SCALE_TOLERANCE
+from kvtopo.runtime.policies.topo import carry_forward
 
 from .f16 import round_toward_f16
 
@@ -85,13 +87,14 @@ def quantize_columns(x: Tensor, valid: Tensor, bits: int) -> tuple[Tensor, Tenso
 
 
 def expfree_page_scores(keys: Tensor, queries: Tensor, num_queries: Tensor, scale: Tensor, margin: float) -> Tensor:
-    """`kernels.scoring.expfree_scores` with padded query rows (rows >= num_queries count zero)."""
+    """The topo policy's score: `kernels.scoring.expfree_scores` with padded query rows (rows >=
+    num_queries count zero), carried forward to each token's successors."""
     kv_heads, _, d = keys.shape
     hq, w, _ = queries.shape
     logits = (queries.reshape(kv_heads, hq // kv_heads * w, d) * scale) @ keys.transpose(1, 2)
     row_valid = (torch.arange(w, device=keys.device) < num_queries).repeat(hq // kv_heads)
     credit = torch.relu(logits - logits.amax(-1, keepdim=True) + margin)
-    return (credit * row_valid[None, :, None].float()).sum(1)
+    return carry_forward((credit * row_valid[None, :, None].float()).sum(1))
 
 
 def select_kept(scores: Tensor, keep: Tensor) -> Tensor:

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 OVER_BUDGET = ("evict", "raise")
+EVICTION_SCOPES = ("append", "page")
 BITS = (2, 4, 8)
 
 
@@ -43,6 +44,11 @@ class Config:
     `layer_budget_bytes` (per sequence and layer); when even evicting a whole page cannot meet
     it, `over_budget` says whether to keep going ("evict": evict what can be, report the miss
     in stats) or raise.
+    `eviction_scope`: "append" ranks the tokens of all the pages one append (a prefill chunk)
+    moves into Mid together and shares the append's room among them by score, so the pages
+    the latest queries need keep more tokens (with the whole prompt in one chunk this is
+    SnapKV's global selection, made when the question has been seen); "page" gives each page
+    its tokens' share of the room and ranks its tokens alone (what exported graphs do).
     `max_pages`: per-layer limit of the exact page pool (None: grow). A full pool raises.
     `prefill_chunk_size`: prompt tokens per forward in `kvtopo.generate`.
     """
@@ -62,6 +68,7 @@ class Config:
     target_ratio: float | None = 8.0
     layer_budget_bytes: int | None = None
     over_budget: str = "evict"
+    eviction_scope: str = "append"
     max_pages: int | None = None
     prefill_chunk_size: int = 512
 
@@ -91,6 +98,8 @@ class Config:
         _require(self.layer_budget_bytes is None or _int(self.layer_budget_bytes, 1),
                  "layer_budget_bytes", self.layer_budget_bytes, "None or an int >= 1")
         _require(self.over_budget in OVER_BUDGET, "over_budget", self.over_budget, f"one of {OVER_BUDGET}")
+        _require(self.eviction_scope in EVICTION_SCOPES, "eviction_scope", self.eviction_scope,
+                 f"one of {EVICTION_SCOPES}")
         _require(self.max_pages is None or _int(self.max_pages, 1), "max_pages", self.max_pages, "None or an int >= 1")
         _require(_int(self.prefill_chunk_size, 1), "prefill_chunk_size", self.prefill_chunk_size, "an int >= 1")
         if self.policy == "full":

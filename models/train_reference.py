@@ -1,9 +1,11 @@
 """Train (or evaluate) kvtopo's reference retrieval model.
 
-Seeded, CPU-only, single-threaded by default. Re-run with::
+Seeded, CPU, single-threaded by default; ``--device cuda`` trains on a GPU. Re-run with::
 
     OMP_NUM_THREADS=1 python -m kvtopo.models.train_reference --out models/reference --minutes 120
     python models/train_reference.py --out models/reference --minutes 120      # same, as a script
+
+Continue training a checkpoint (fresh optimizer, warm-up again) with ``--init-from DIR``.
 
 Evaluate the shipped model (full HF cache, greedy ``generate``)::
 
@@ -205,8 +207,44 @@ def make_batch(rng, ctx, tokens_per_batch, text_frac, max_queries, dense_frac=0.
     return x, mask, is_text
 
 
+def batch_from_seed(seed, ctx, tokens_per_batch, text_frac, max_queries, dense_frac, copy_frac):
+    """One batch, fully determined by its seed (so worker processes can build it)."""
+    return make_batch(random.Random(seed), ctx, tokens_per_batch, text_frac, max_queries, dense_frac, copy_frac)
+
+
+class BatchStream:
+    """Batches in training order, built inline or ``workers`` processes ahead.
+
+    The main process draws each batch's context length and seed from its own rng, so the data
+    is the same with or without workers; workers only keep a GPU from waiting on Python.
+    """
+
+    def __init__(self, workers: int):
+        import multiprocessing as mp
+        from collections import deque
+
+        self.pool = mp.get_context("spawn").Pool(workers) if workers > 0 else None
+        self.pending = deque()
+        self.depth = 2 * workers
+
+    def next(self, make_spec):
+        if self.pool is None:
+            return batch_from_seed(*make_spec())
+        while len(self.pending) <= self.depth:
+            self.pending.append(self.pool.apply_async(batch_from_seed, make_spec()))
+        return self.pending.popleft().get()
+
+    def close(self):
+        if self.pool is not None:
+            for pending in self.pending:  # let the workers finish what they hold, then stop them
+                pending.wait()
+            self.pool.close()
+            self.pool.join()
+
+
 def loss_fn(model, x, mask, is_text, lm_weight):
-    logits = model(input_ids=x[:, :-1]).logits
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
+        logits = model(input_ids=x[:, :-1]).logits
     tgt = x[:, 1:]
     m = mask[:, 1:]
     ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tgt.reshape(-1), reduction="none").view_as(m)
@@ -237,6 +275,7 @@ def eval_teacher_forced(model, task, ctx, n, start_seed=0, batch=8):
         x = torch.full((len(seqs), L), R.PAD_ID, dtype=torch.long)
         for j, s in enumerate(seqs):
             x[j, : len(s)] = torch.tensor(s)
+        x = x.to(model.device)
         pred = model(input_ids=x).logits.argmax(-1)
         for j, e in enumerate(chunk):
             p, a = len(e.prompt), len(e.answer)
@@ -263,7 +302,7 @@ def heldout_ppl(model, chunk=512, max_chunks=None):
     tot, cnt = 0.0, 0
     for i in range(0, n_chunks, 8):
         rows = [ids[(i + j) * chunk : (i + j + 1) * chunk] for j in range(min(8, n_chunks - i))]
-        x = torch.tensor(rows)
+        x = torch.tensor(rows, device=model.device)
         logits = model(input_ids=x[:, :-1]).logits
         ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="sum")
         tot += ce.item()
@@ -298,7 +337,9 @@ def eval_generate(model, tok, task, ctx, n, start_seed=0, batch=10):
 def save_checkpoint(model, out_dir, meta):
     os.makedirs(out_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".ckpt_", dir=out_dir)
+    device = model.device
     try:
+        model.to("cpu")  # the shipped weights are CPU fp32 whatever trained them
         model.save_pretrained(tmp, safe_serialization=True)
         R.save_tokenizer(tmp)
         with open(os.path.join(tmp, "training_state.json"), "w") as f:
@@ -309,6 +350,7 @@ def save_checkpoint(model, out_dir, meta):
             os.chmod(os.path.join(tmp, name), 0o644)
             os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
     finally:
+        model.to(device)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -322,6 +364,9 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (bf16 autocast)")
+    p.add_argument("--workers", type=int, default=0, help="processes building batches ahead (0: inline)")
+    p.add_argument("--init-from", default=None, help="start from this checkpoint directory's weights")
     p.add_argument("--minutes", type=float, default=72.0, help="training wall-time budget")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--inter", type=int, default=384)
@@ -382,6 +427,16 @@ def main(argv=None):
     rng = random.Random(args.seed)
     config = make_config(args)
     model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    if args.init_from:
+        from safetensors.torch import load_file
+
+        missing, unexpected = model.load_state_dict(load_file(os.path.join(args.init_from, "model.safetensors")),
+                                                     strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to the embeddings
+            sys.exit(f"--init-from {args.init_from}: weights do not fit this architecture "
+                     f"(missing {missing}, unexpected {unexpected})")
+        log(f"initialised from {args.init_from}")
+    model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     step, tokens, elapsed, stage = 0, 0, 0.0, 0
@@ -455,6 +510,13 @@ def main(argv=None):
         os.replace(args.state + ".tmp", args.state)
         log(f"checkpoint step {step} -> {args.out}")
 
+    def next_spec():
+        lens, weights = STAGES[stage][1], STAGES[stage][2]
+        ctx = rng.choices(lens, weights)[0]
+        return (rng.getrandbits(63), ctx, args.tokens_per_batch, args.text_frac, args.max_queries, args.dense_frac,
+                args.copy_frac if ctx <= args.copy_max_ctx else 0.0)
+
+    stream = BatchStream(args.workers)
     last_evals = {}
     while True:
         now = time.time()
@@ -465,10 +527,8 @@ def main(argv=None):
         while stage < len(STAGES) - 1 and frac > STAGES[stage][0]:
             stage += 1
             log(f"stage -> {stage} (time) lengths {STAGES[stage][1]}")
-        lens, weights = STAGES[stage][1], STAGES[stage][2]
-        ctx = rng.choices(lens, weights)[0]
-        x, m, it = make_batch(rng, ctx, args.tokens_per_batch, args.text_frac, args.max_queries, args.dense_frac,
-                              args.copy_frac if ctx <= args.copy_max_ctx else 0.0)
+        x, m, it = (t.to(args.device, non_blocking=True) for t in stream.next(next_spec))
+        ctx = x.shape[1]
         lr = lr_at(frac)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -482,7 +542,7 @@ def main(argv=None):
         run_tok += x.numel()
         ema = lt if ema is None else 0.98 * ema + 0.02 * lt
         if step % 50 == 0:
-            log(f"step {step} stage {stage} ctx {ctx} lr {lr:.2e} task_loss {lt:.3f} (ema {ema:.3f}) "
+            log(f"step {step} stage {stage} len {ctx} lr {lr:.2e} task_loss {lt:.3f} (ema {ema:.3f}) "
                 f"text_loss {lx:.3f} tok {tokens / 1e6:.1f}M {run_tok / (time.time() - run_t0):.0f} tok/s "
                 f"t={(time.time() - t_start) / 60:.1f}m")
         if time.time() - last_eval > args.eval_every * 60:
@@ -506,6 +566,7 @@ def main(argv=None):
         if time.time() - last_ckpt > args.ckpt_every * 60:
             checkpoint(last_evals)
             last_ckpt = time.time()
+    stream.close()
     last_evals = do_eval(final=True)
     rec = {"step": step, "tokens": tokens, "minutes": round((time.time() - t_start) / 60, 2), "stage": stage,
            "final": True, **last_evals}

@@ -336,6 +336,11 @@ class HostRunner:
                 f"{self.config.refit_after} refits them from {2 * self.config.refit_after} tokens on, within this "
                 f"export's max_context {self.layout.max_context}: run with refit_after=None (or export a shorter "
                 "max_context)")
+        if self.mid_encoding.evict and self.config.eviction_scope != "page":
+            raise ValueError(
+                f"the exported compressor ranks one page at a time, but Config.eviction_scope="
+                f"{self.config.eviction_scope!r} ranks the pages of an append together: run with "
+                "eviction_scope='page'")
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads

@@ -43,6 +43,13 @@ def observed_positions(window: int, q_heads: int, kv_heads: int) -> int:
 MIN_BUDGET_SHARE = 0.5
 
 
+def best_tokens(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """Indices [H, keep] of the `keep` highest scores per row [H, n], ascending; equal scores
+    go to the lower index (scores carried forward from a hit tie across the tokens after it,
+    and the earliest of those is the one read first; the exported compressor does the same)."""
+    return scores.argsort(dim=-1, descending=True, stable=True)[:, :keep].sort(dim=-1).values
+
+
 class BudgetExceeded(RuntimeError):
     """The byte budget cannot be met even by evicting a whole Mid page (over_budget="raise")."""
 
@@ -89,6 +96,7 @@ class SequenceKV:
     next_refit: int | None = None  # the length at which the next Mid epoch starts
     mid_tokens: int = 0  # tokens of the pages that entered Mid, before eviction
     final_length: int = 0  # the length this sequence reaches when the current append ends
+    planned: dict[int, torch.Tensor] = field(default_factory=dict)  # page index -> kept tokens [Hkv, keep]
 
 
 @dataclass
@@ -170,6 +178,8 @@ class LayerCache:
             entry.retired.append(entry.mid)
             entry.mid = self._make_mid_segment(entry, key, value)
             entry.next_refit = self._next_refit(entry.length + n)
+        if self.config.eviction_scope == "append":
+            entry.planned = self._plan_joint_eviction(entry, key, value)
         written = 0
         while written < n:
             if not entry.pages or entry.pages[-1].tokens == P:
@@ -186,6 +196,7 @@ class LayerCache:
             page.tokens += take
             entry.length += take
             written += take
+        entry.planned = {}
 
     def _refresh_block_table(self, entry: SequenceKV) -> None:
         entry.block_table = torch.tensor([p.slot for p in entry.pages if p.slot is not None], dtype=torch.int32)
@@ -213,7 +224,7 @@ class LayerCache:
             if self.mid_encoding.identity:
                 page.phase = target
                 return
-            keys, values = self._evict(entry, page, keys, values)
+            keys, values = self._evict(entry, index, keys, values)
             entry.mid_tokens += page.tokens
             entry.mid.append_page(keys, values)
             page.kept, page.recent, page.mass = keys.shape[1], None, None
@@ -284,8 +295,92 @@ class LayerCache:
                          self.plan.mid_pages(pages_at_end) * self.config.page_size - entry.mid_tokens,
                          self.config, self._fp16_token_bytes())
 
-    def _evict(self, entry: SequenceKV, page: Page, keys: torch.Tensor, values: torch.Tensor):
+    def _plan_joint_eviction(self, entry: SequenceKV, key: torch.Tensor, value: torch.Tensor) -> dict:
+        """Survivors of the pages this append moves into Mid, chosen together (eviction_scope
+        "append"): every token of the group is scored against one row max, and the room the
+        budget leaves at the append's end goes to the highest-scoring tokens wherever they are,
+        so a page holding what the latest queries look for keeps all of it and filler pages
+        keep little. Within a page each kv-head keeps its own best tokens; a page's count is
+        set by the heads' best score at each rank. {page index: kept token indices}; empty
+        when nothing is ranked (no budget, or every Mid token dropped) or only one page moves
+        (it is ranked alone, as under "page")."""
+        budget = self._budget(entry.final_length)
+        if not self.mid_encoding.evict or budget is None or self.mid_encoding.max_tokens == 0:
+            return {}
+        P = self.config.page_size
+        count = -(-entry.final_length // P)
+        group = [i for i in range(count) if self.plan.phase(i, count) is Phase.MID
+                 and (i >= len(entry.pages) or entry.pages[i].phase is not Phase.MID)]
+        if len(group) < 2:
+            return {}
+        keys, values, masses = [], [], []
+        for i in group:
+            page = entry.pages[i] if i < len(entry.pages) else None
+            held = page.tokens if page is not None else 0
+            k, v = self._page_kv(page) if held else (key[:, :0], None)
+            start, end = i * P + held - entry.length, (i + 1) * P - entry.length
+            keys.append(torch.cat([k, key[:, start:end]], 1))
+            if not self.shared_value_dim:
+                values.append(torch.cat([v if v is not None else value[:, :0], value[:, start:end]], 1))
+            masses.append(page.mass if page is not None and page.mass is not None and held == P else None)
+        keys = torch.cat(keys, 1)
+        values = torch.cat(values, 1) if values else keys[..., : self.shared_value_dim]
+        mass = None if any(m is None for m in masses) else torch.cat(masses, 1)
+        scores = self.policy.score(ScoreInputs(keys, values, entry.observation, self.scale, mass)).float()
+        order = scores.view(scores.shape[0], len(group), P).sort(dim=-1, descending=True, stable=True)
+        # Value of a page's k-th survivor: the best of the heads' k-th best scores (falls with k,
+        # so taking the best values overall takes a prefix of every page's ranking). The max,
+        # not the sum: a token one retrieval head needs is needed, whatever the other heads say.
+        gain = order.values.amax(0).flatten()
+        picked = gain.argsort(descending=True, stable=True)
+        shape = (keys.shape[0], keys.shape[-1], 0 if self.shared_value_dim else values.shape[-1])
+        # Every page costs its row count; its first survivor (rank 0) also brings its
+        # statistics (float32 for few survivors); each further one, a row.
+        empty = entry.mid.page_nbytes(0, *shape)
+        first = entry.mid.page_nbytes(1, *shape, stats_bytes=4) - empty
+        per_row = entry.mid.page_nbytes(2, *shape) - entry.mid.page_nbytes(1, *shape)
+        cost = len(group) * empty + torch.cumsum(torch.where(picked % P == 0, first, per_row), 0)
+        room = page_room(budget, self._bytes_beside_group(entry, group, count), len(group) * P, len(group) * P,
+                         self.config, self._fp16_token_bytes())
+        if room < 0 and self.config.over_budget == "raise":
+            raise BudgetExceeded(
+                f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {entry.final_length} tokens: "
+                f"the exact/Recent pages and metadata will hold {budget - room:.0f} bytes; lower "
+                "sink_tokens/recent_tokens, or allow over_budget='evict'")
+        taken = int((cost <= room).sum())  # cost only grows along `picked`
+        keep = torch.bincount(picked[:taken] // P, minlength=len(group))
+        cap = self.mid_encoding.max_tokens
+        return {i: order.indices[:, g, : min(int(keep[g]), P if cap is None else cap)].sort(dim=-1).values
+                for g, i in enumerate(group)}
+
+    def _bytes_beside_group(self, entry: SequenceKV, group: list[int], count: int) -> int:
+        """What the sequence-layer will hold at the append's end besides the group's Mid rows:
+        Mid epochs so far (with their bases), the exact and Recent pages of the end state,
+        metadata."""
+        held = sum(m.nbytes for m in self._epochs(entry)) + self._metadata_nbytes(entry)
+        for i in range(count):
+            phase = self.plan.phase(i, count)
+            if i in group or phase is Phase.MID:
+                continue
+            held += self._recent_page_nbytes() if phase is Phase.RECENT else self.pool.page_nbytes
+        return held
+
+    def _recent_page_nbytes(self) -> int:
+        if self.recent_bits is None:
+            return self.pool.page_nbytes
+        P, keys, values = self.config.page_size, self.pool.keys, self.pool.values
+        empty_values = None if self.shared_value_dim else values.new_zeros(values.shape[1], P, values.shape[-1])
+        return encode_recent(keys.new_zeros(keys.shape[1], P, keys.shape[-1]), empty_values, self.recent_bits).nbytes
+
+    def _evict(self, entry: SequenceKV, index: int, keys: torch.Tensor, values: torch.Tensor):
         if not self.mid_encoding.evict:
+            return keys, values
+        page = entry.pages[index]
+        planned = entry.planned.get(index)
+        if planned is not None:
+            keys = keys.gather(1, planned[..., None].expand(-1, -1, keys.shape[-1]))
+            if values is not None:
+                values = values.gather(1, planned[..., None].expand(-1, -1, values.shape[-1]))
             return keys, values
         tokens = keys.shape[1]
         cap = self.mid_encoding.max_tokens
@@ -310,7 +405,7 @@ class LayerCache:
             return keys[:, :0], None if values is None else values[:, :0]
         shown_values = values if values is not None else keys[..., : self.shared_value_dim]
         scores = self.policy.score(ScoreInputs(keys, shown_values, entry.observation, self.scale, page.mass))
-        kept = scores.topk(keep, dim=-1).indices.sort(dim=-1).values  # [Hkv, keep]
+        kept = best_tokens(scores, keep)
         keys = keys.gather(1, kept[..., None].expand(-1, -1, keys.shape[-1]))
         if values is not None:
             values = values.gather(1, kept[..., None].expand(-1, -1, values.shape[-1]))

@@ -13,7 +13,8 @@ from kvtopo.kernels.reference import grouped_attention
 
 
 @pytest.mark.parametrize("field,value", [("page_size", 0), ("page_size", 1.5), ("max_pages", 0),
-                                         ("prefill_chunk_size", -1), ("policy", "magic")])
+                                         ("prefill_chunk_size", -1), ("policy", "magic"),
+                                         ("eviction_scope", "global")])
 def test_bad_config_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"Config\.{field}={value!r}"):
         kvtopo.Config(**{field: value})

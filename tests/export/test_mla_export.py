@@ -10,6 +10,7 @@ from kvtopo.config import Config
 from kvtopo.kernels.quant import unpack
 from kvtopo.models import zoo
 from kvtopo.runtime.codecs import MidSegment, fit_bases
+from kvtopo.runtime.layer_cache import best_tokens
 from kvtopo.runtime.policies import ScoreInputs, make_policy
 
 from export_common import CONFIG, assert_host_runner_matches_session, export_module, export_package
@@ -84,7 +85,7 @@ def test_shared_value_compressor_matches_runtime(shared_compressor, keep):
     policy = make_policy(CONFIG)
     segment = MidSegment(policy.mid_encoding(), bases, None, torch.float32, shared_value_dim=16)
     scores = policy.score(ScoreInputs(keys, keys[..., :16], queries.half(), 0.25))
-    kept = scores.topk(keep, dim=-1).indices.sort(dim=-1).values
+    kept = best_tokens(scores, keep)
     segment.append_page(keys.gather(1, kept[..., None].expand(-1, -1, 20)), None)
     assert segment.values.count == 0
 

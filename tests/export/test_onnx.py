@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from kvtopo.kernels.quant import unpack
 from kvtopo.models import zoo
 from kvtopo.runtime.codecs import MidSegment, fit_bases
+from kvtopo.runtime.layer_cache import best_tokens
 from kvtopo.runtime.host_runner import HostRunner
 from kvtopo.runtime.policies import ScoreInputs, make_policy
 
@@ -55,6 +56,10 @@ def test_host_runner_matches_session(name, tmp_path):
     assert runner.config.refit_after is None
     with pytest.raises(ValueError, match="refit_after"):
         HostRunner(tmp_path, config=CONFIG.replace(refit_after=64))
+    # Its compressor ranks one page at a time: joint eviction over an append is refused likewise.
+    assert runner.config.eviction_scope == "page"
+    with pytest.raises(ValueError, match="eviction_scope"):
+        HostRunner(tmp_path, config=CONFIG.replace(refit_after=None, eviction_scope="append"))
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +80,7 @@ def _runtime_compress(keys, values, queries, keep, scale, kb, vb):
     segment = MidSegment(policy.mid_encoding(), kb, vb, torch.float32)
     if keep < keys.shape[1]:
         scores = policy.score(ScoreInputs(keys, values, queries.half(), scale))
-        kept = scores.topk(keep, dim=-1).indices.sort(dim=-1).values
+        kept = best_tokens(scores, keep)
     else:
         kept = torch.arange(keys.shape[1]).expand(keys.shape[0], -1)
     segment.append_page(keys.gather(1, kept[..., None].expand(-1, -1, 16)), values.gather(1, kept[..., None].expand(-1, -1, 16)))

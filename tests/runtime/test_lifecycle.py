@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvtopo
-from kvtopo.runtime.layer_cache import BudgetExceeded, LayerCache
+from kvtopo.runtime.layer_cache import BudgetExceeded, LayerCache, best_tokens
 from kvtopo.runtime.phases import Phase, PhasePlan
 from kvtopo.runtime.policies import make_policy
+from kvtopo.runtime.policies.topo import SUCCESSORS, carry_forward
 
 from store_walk import held_tensor_bytes
 
@@ -223,24 +224,77 @@ def _kept_per_page(config, chunks, n=1024, dim=32):
 
 
 def test_pages_one_chunk_pushes_into_mid_share_the_budget_by_tokens():
-    """One long chunk pushes its pages into Mid one by one; judged at the chunk's end length
-    they get equal room, instead of the first ones losing everything to the exact pages."""
+    """Under eviction_scope="page", one long chunk pushes its pages into Mid one by one; judged
+    at the chunk's end length they get equal room, instead of the first ones losing everything
+    to the exact pages."""
     config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0,
-                           over_budget="raise", observation_window=4)
+                           over_budget="raise", observation_window=4, eviction_scope="page")
     kept, stats = _kept_per_page(config, [1024])
     assert 0 < min(kept) and max(kept) - min(kept) <= 1, kept
     assert not stats.budget_missed
 
 
+def _planted_hit(n=1024, dim=32, hit=300, window=4):
+    """Structured K/V and queries whose last `window` positions all look for token `hit`."""
+    k, v = _structured_kv(n, heads=2, dim=dim, dtype=torch.float16)
+    q = torch.randn(1, 4, n, dim, generator=torch.Generator().manual_seed(1))
+    wanted = q[0, :, -window:].mean(1).reshape(2, 2, dim).mean(1)  # per kv-head: its 2 query heads' mean
+    k[:, hit] = (6 * wanted / wanted.norm(dim=-1, keepdim=True) * dim ** 0.5).half()
+    return q.half(), k, v
+
+
+@pytest.mark.parametrize("policy", ["topo", "snapkv"])
+def test_one_appends_pages_share_its_room_by_score(policy, monkeypatch):
+    """eviction_scope="append" (the default): the pages a chunk moves into Mid are ranked
+    together, so the room goes where the latest queries look -- the planted hit survives in
+    every head (for topo with the tokens after it, which decoding reads next) -- while other
+    pages keep little or nothing; the budget still holds."""
+    plans = []
+    original = LayerCache._plan_joint_eviction
+
+    def spy(self, entry, key, value):
+        plans.append(original(self, entry, key, value))
+        return plans[-1]
+
+    monkeypatch.setattr(LayerCache, "_plan_joint_eviction", spy)
+    q, k, v = _planted_hit()
+    config = kvtopo.Config(policy=policy, page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0,
+                           over_budget="raise", observation_window=4)
+    with kvtopo.session(config) as s:
+        s.attend("l", q, k[None], v[None], None, 32 ** -0.5)
+        stats = s.stats()
+    plan = next(p for p in plans if p)
+    kept = {page * 16 + int(t) for page, rows in plan.items() for t in rows[0]}
+    assert {300}.issubset(kept) and all(300 in {page * 16 + int(t) for page, rows in plan.items() for t in rows[h]}
+                                        for h in range(2))
+    if policy == "topo":
+        assert set(range(300, 300 + SUCCESSORS + 1)) <= kept, sorted(kept)
+    counts = [rows.shape[1] for rows in plan.values()]
+    assert min(counts) < max(counts) and 0 in counts, counts
+    assert not stats.budget_missed
+
+
+def test_carry_forward_and_ties_go_to_the_lower_index():
+    scores = torch.tensor([[0.0, 5.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    assert carry_forward(scores, 2).tolist() == [[0.0, 5.0, 5.0, 5.0, 1.0, 1.0, 1.0, 0.0]]
+    assert carry_forward(scores, 0).tolist() == scores.tolist()
+    assert best_tokens(carry_forward(scores, 2), 2).tolist() == [[1, 2]]  # of the tied 1, 2, 3
+
+
 def test_ratio_budget_keeps_half_a_pages_share_while_fixed_costs_exceed_it():
     """Under over_budget="evict", a ratio budget that the exact pages and metadata alone exceed
     (short sequences) does not wipe out the early context: each Mid page keeps at least half its
-    tokens' share; the miss is reported. With "raise", the same run raises."""
-    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0, observation_window=32)
+    tokens' share (under eviction_scope="append" the pages of one append share that floor by
+    score); the miss is reported. With "raise", the same run raises."""
+    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0, observation_window=32,
+                           eviction_scope="page")
     kept, stats = _kept_per_page(config, [128, 64])
     assert kept and min(kept) > 0 and stats.budget_missed, kept
-    with pytest.raises(BudgetExceeded):
-        _kept_per_page(config.replace(over_budget="raise"), [128, 64])
+    joint, joint_stats = _kept_per_page(config.replace(eviction_scope="append"), [128, 64])
+    assert sum(joint) >= sum(kept) / 2 and joint_stats.budget_missed, (joint, kept)
+    for scope in ("page", "append"):
+        with pytest.raises(BudgetExceeded):
+            _kept_per_page(config.replace(over_budget="raise", eviction_scope=scope), [128, 64])
 
 
 def test_protected_span_is_never_evicted():
