@@ -430,8 +430,11 @@ def main(argv=None):
     if args.init_from:
         from safetensors.torch import load_file
 
-        missing, unexpected = model.load_state_dict(load_file(os.path.join(args.init_from, "model.safetensors")),
-                                                     strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(load_file(os.path.join(args.init_from, "model.safetensors")),
+                                                         strict=False)
+        except RuntimeError as err:  # shape mismatches
+            sys.exit(f"--init-from {args.init_from}: weights do not fit this architecture ({err})")
         if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to the embeddings
             sys.exit(f"--init-from {args.init_from}: weights do not fit this architecture "
                      f"(missing {missing}, unexpected {unexpected})")

@@ -18,7 +18,7 @@ from kvtopo.models.reference import REFERENCE_DIR, load_reference_model
 N_PER_TASK = 20
 CTX = 512
 # measured on the shipped checkpoint (greedy, full cache, seeds 0..19 at 512): see README
-THRESHOLDS = {"passkey": 0.9, "multikey": 0.8, "multivalue": 0.8, "vartrack": 0.9}  # measured 1.00 / 0.90 / 0.90 / 1.00
+THRESHOLDS = {"passkey": 0.9, "multikey": 0.85, "multivalue": 0.9, "vartrack": 0.9}  # measured 1.00 / 0.95 / 1.00 / 1.00
 
 
 @pytest.fixture(scope="module")

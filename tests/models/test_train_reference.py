@@ -1,0 +1,34 @@
+"""The training script's data stream and checkpoint loading (not training itself: too slow here)."""
+
+import random
+
+import pytest
+import torch
+
+from kvtopo.models import train_reference as TR
+
+
+def _specs(n=4, seed=0):
+    rng = random.Random(seed)
+    return [(rng.getrandbits(63), rng.choice([128, 256]), 1024, 0.1, 4, 0.3, 0.3) for _ in range(n)]
+
+
+def test_worker_processes_build_the_same_batches_as_inline():
+    """Each batch is fixed by the seed the main process draws, so --workers changes speed only."""
+    specs = _specs()
+    inline = [TR.BatchStream(0).next(lambda s=s: s) for s in specs]
+    stream = TR.BatchStream(2)
+    try:
+        it = iter(specs)
+        pooled = [stream.next(lambda: next(it, specs[-1])) for _ in specs]
+    finally:
+        stream.close()
+    for a, b in zip(inline, pooled):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    assert not torch.equal(inline[0][0], TR.batch_from_seed(specs[1][0], *specs[0][1:])[0])  # the seed matters
+
+
+def test_init_from_refuses_weights_of_another_architecture(tmp_path):
+    with pytest.raises(SystemExit, match="do not fit this architecture"):
+        TR.main(["--init-from", TR.R.REFERENCE_DIR, "--hidden", "64", "--out", str(tmp_path), "--minutes", "0.01"])
