@@ -1,7 +1,8 @@
 """Exported decode step on onnxruntime vs the PyTorch eager session, and exported file sizes.
 
 A zoo model (llama by default; deepseek-v3 for MLA, whose cache is the latent + RoPE key), default
-Config (topo policy, 8x target), contexts 1K and 4K: prefill by chunks,
+Config (topo policy, 8x target) as exported (refit_after=None, eviction_scope="page"; the session
+runs the same), contexts 1K and 4K: prefill by chunks,
 then the median latency of single-token decode steps. onnxruntime: HostRunner.forward (the
 decode-step graph plus the host's cache bookkeeping and any page transition that step, run by
 the compressor graph). PyTorch: the model compiled with backend="kvtopo" (inductor off: eager)
@@ -79,7 +80,7 @@ def main() -> None:
             token = int(np.argmax(logits[-1]))
         # PyTorch eager session
         pt_times = []
-        with kvtopo.session(config) as session, torch.no_grad():
+        with kvtopo.session(runner.config) as session, torch.no_grad():  # what the exported graphs do
             for s in range(0, ctx, chunk):
                 out = model(input_ids=ids[None, s:s + chunk], position_ids=torch.arange(s, min(s + chunk, ctx))[None],
                             use_cache=False)
@@ -98,7 +99,7 @@ def main() -> None:
               f"ratio {pt_ms / ort_ms:.2f}x")
     for name, size in sizes.items():
         print(f"{name:20s} {size / 1e6:8.3f} MB")
-    result = {"model": f"{args.model} (zoo)", "config": "Config() defaults (topo, target_ratio=8, page_size=32)",
+    result = {"model": f"{args.model} (zoo)", "config": "Config() defaults as exported (topo, target_ratio=8, page_size=32, refit_after=None, eviction_scope=page)",
               "max_context_exported": max(args.contexts) + args.steps + 8, "decode_steps_timed": args.steps,
               "threads": 2, "export_seconds": round(export_s, 1), "decode": rows, "file_bytes": sizes}
     out_path.parent.mkdir(parents=True, exist_ok=True)
