@@ -313,19 +313,7 @@ class LayerCache:
                  and (i >= len(entry.pages) or entry.pages[i].phase is not Phase.MID)]
         if len(group) < 2:
             return {}
-        keys, values, masses = [], [], []
-        for i in group:
-            page = entry.pages[i] if i < len(entry.pages) else None
-            held = page.tokens if page is not None else 0
-            k, v = self._page_kv(page) if held else (key[:, :0], None)
-            start, end = i * P + held - entry.length, (i + 1) * P - entry.length
-            keys.append(torch.cat([k, key[:, start:end]], 1))
-            if not self.shared_value_dim:
-                values.append(torch.cat([v if v is not None else value[:, :0], value[:, start:end]], 1))
-            masses.append(page.mass if page is not None and page.mass is not None and held == P else None)
-        keys = torch.cat(keys, 1)
-        values = torch.cat(values, 1) if values else keys[..., : self.shared_value_dim]
-        mass = None if any(m is None for m in masses) else torch.cat(masses, 1)
+        keys, values, mass = self._group_tokens(entry, group, key, value)
         scores = self.policy.score(ScoreInputs(keys, values, entry.observation, self.scale, mass)).float()
         order = scores.view(scores.shape[0], len(group), P).sort(dim=-1, descending=True, stable=True)
         # Value of a page's k-th survivor: the best of the heads' k-th best scores (falls with k,
@@ -352,6 +340,25 @@ class LayerCache:
         cap = self.mid_encoding.max_tokens
         return {i: order.indices[:, g, : min(int(keep[g]), P if cap is None else cap)].sort(dim=-1).values
                 for g, i in enumerate(group)}
+
+    def _group_tokens(self, entry: SequenceKV, group: list[int], key: torch.Tensor, value: torch.Tensor):
+        """Keys, values (the keys' leading dims when shared) and accumulated attention mass (None
+        unless every page has it) of the group's pages, in order: each page's tokens held so far
+        (pool or Recent) followed by its share of the incoming chunk."""
+        P = self.config.page_size
+        keys, values, masses = [], [], []
+        for i in group:
+            page = entry.pages[i] if i < len(entry.pages) else None
+            held = page.tokens if page is not None else 0
+            k, v = self._page_kv(page) if held else (key[:, :0], None)
+            start, end = i * P + held - entry.length, (i + 1) * P - entry.length
+            keys.append(torch.cat([k, key[:, start:end]], 1))
+            if not self.shared_value_dim:
+                values.append(torch.cat([v if v is not None else value[:, :0], value[:, start:end]], 1))
+            masses.append(page.mass if page is not None and page.mass is not None and held == P else None)
+        keys = torch.cat(keys, 1)
+        values = torch.cat(values, 1) if values else keys[..., : self.shared_value_dim]
+        return keys, values, None if any(m is None for m in masses) else torch.cat(masses, 1)
 
     def _bytes_beside_group(self, entry: SequenceKV, group: list[int], count: int) -> int:
         """What the sequence-layer will hold at the append's end besides the group's Mid rows:
