@@ -309,6 +309,10 @@ class LayerCache:
             return {}
         P = self.config.page_size
         count = -(-entry.final_length // P)
+        # Pages are settled as they open, so the Mid pages now are the plan's for len(pages):
+        # a decode step (at most one page moving) stops here without walking every page.
+        if self.plan.mid_pages(count) - self.plan.mid_pages(len(entry.pages)) < 2:
+            return {}
         group = [i for i in range(count) if self.plan.phase(i, count) is Phase.MID
                  and (i >= len(entry.pages) or entry.pages[i].phase is not Phase.MID)]
         if len(group) < 2:
@@ -364,13 +368,12 @@ class LayerCache:
         """What the sequence-layer will hold at the append's end besides the group's Mid rows:
         Mid epochs so far (with their bases), the exact and Recent pages of the end state,
         metadata."""
+        moving = set(group)
+        phases = [self.plan.phase(i, count) for i in range(count) if i not in moving]
+        recent = sum(phase is Phase.RECENT for phase in phases)
+        exact = sum(phase in (Phase.INITIAL, Phase.TERMINAL) for phase in phases)
         held = sum(m.nbytes for m in self._epochs(entry)) + self._metadata_nbytes(entry)
-        for i in range(count):
-            phase = self.plan.phase(i, count)
-            if i in group or phase is Phase.MID:
-                continue
-            held += self._recent_page_nbytes() if phase is Phase.RECENT else self.pool.page_nbytes
-        return held
+        return held + exact * self.pool.page_nbytes + (recent * self._recent_page_nbytes() if recent else 0)
 
     def _recent_page_nbytes(self) -> int:
         if self.recent_bits is None:
