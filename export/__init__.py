@@ -15,11 +15,25 @@ keeps: the latent + RoPE key, one kv-head whose value is the latent (export/layo
 
 from __future__ import annotations
 
+import os
+
 from torch import nn
 
 from kvtopo.config import Config
 
 DEFAULT_MAX_CONTEXT = 4096
+MLIR_OUTPUT_TYPES = ("torch", "linalg-on-tensors", "stablehlo")
+
+
+def _check_args(function: str, out_dir, config, max_context, **ints) -> None:
+    """The arguments every export entry point takes, checked before any tracing."""
+    if not isinstance(out_dir, (str, os.PathLike)) or str(out_dir) == "":
+        raise TypeError(f"{function}: out_dir={out_dir!r} is invalid: a directory path (str or os.PathLike)")
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"{function}: config={config!r} is invalid: None or a kvtopo.Config")
+    for name, value in {"max_context": max_context, **ints}.items():
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ValueError(f"{function}: {name}={value!r} is invalid: an int >= 1 (tokens)")
 
 
 def _model(model_or_zoo_name) -> nn.Module:
@@ -48,19 +62,27 @@ def export_onnx(model_or_zoo_name, out_dir, config: Config | None = None,
     `max_context` sizes the fixed cache buffers (tokens a sequence may reach). Raises
     `RefusedAttention` listing the sites kvtopo refused, if any.
     """
+    _check_args("export_onnx", out_dir, config, max_context)
     from .onnx_export import export_onnx_files
 
     return export_onnx_files(_model(model_or_zoo_name), out_dir, _exported_config(config), max_context)
 
 
 def export_mlir(model_or_zoo_name, out_dir, config: Config | None = None, max_context: int = 512,
-                output_types=("torch", "linalg-on-tensors", "stablehlo"), tokens: int = 1) -> dict[str, str]:
+                output_types=MLIR_OUTPUT_TYPES, tokens: int = 1) -> dict[str, str]:
     """Write decode_step.<type>.mlir and compressor.<type>.mlir for each output type.
 
     MLIR graphs are static: the decode step is exported for `tokens` new tokens (1: a decode
     step) and `max_context` cache capacity. Raises `MlirLoweringError` naming the op that could
     not be lowered.
     """
+    _check_args("export_mlir", out_dir, config, max_context, tokens=tokens)
+    if tokens > max_context:
+        raise ValueError(f"export_mlir: tokens={tokens} is invalid: at most max_context={max_context} (a step's "
+                         "new tokens must fit in the cache)")
+    if isinstance(output_types, str) or not output_types or any(t not in MLIR_OUTPUT_TYPES for t in output_types):
+        raise ValueError(f"export_mlir: output_types={output_types!r} is invalid: a non-empty sequence of "
+                         f"{MLIR_OUTPUT_TYPES}")
     from .mlir_export import export_mlir_files
 
     return export_mlir_files(_model(model_or_zoo_name), out_dir, _exported_config(config), max_context,

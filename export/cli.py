@@ -49,6 +49,8 @@ def _run_export(args: argparse.Namespace) -> int:
 
     if args.model not in zoo.ZOO_MODELS:
         raise UsageError(f"unknown zoo model {args.model!r}; choose one of: {', '.join(zoo.ZOO_MODELS)}")
+    if args.max_context is not None and args.max_context < 1:
+        raise UsageError(f"--max-context {args.max_context} is invalid: an int >= 1 (tokens)")
     try:
         from kvtopo import export as kx
     except ImportError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 OVER_BUDGET = ("evict", "raise")
@@ -15,12 +16,32 @@ def _require(ok: bool, field: str, value, allowed: str) -> None:
         raise ValueError(f"Config.{field}={value!r} is invalid: {allowed}")
 
 
+# Exact types: a bool is not an int and a float is not a bit width or a token count, even when it
+# compares equal to one (4.0 == 4). Real numbers must be finite: inf and NaN are no ratio, margin
+# or energy.
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _int(value, lo: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= lo
+    return _is_int(value) and value >= lo
+
+
+def _real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _fraction(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 < value <= 1.0
+    return _real(value) and 0.0 < value <= 1.0
+
+
+def _choice(value, choices) -> bool:
+    return isinstance(value, str) and value in choices
+
+
+def _spans_ok(spans) -> bool:
+    return isinstance(spans, tuple) and all(
+        isinstance(s, tuple) and len(s) == 2 and _int(s[0], 0) and _int(s[1], 0) and s[0] < s[1] for s in spans)
 
 
 @dataclass(frozen=True)
@@ -75,36 +96,36 @@ class Config:
     def __post_init__(self):
         from kvtopo.runtime.policies import POLICIES
 
-        _require(self.policy in POLICIES, "policy", self.policy, f"one of {tuple(POLICIES)}")
+        _require(_choice(self.policy, POLICIES), "policy", self.policy, f"one of {tuple(POLICIES)}")
         _require(_int(self.page_size, 1) and self.page_size <= 4096, "page_size", self.page_size, "an int in [1, 4096]")
         _require(_int(self.sink_tokens, 0), "sink_tokens", self.sink_tokens, "an int >= 0")
         _require(_int(self.recent_tokens, 0), "recent_tokens", self.recent_tokens, "an int >= 0")
-        spans_ok = isinstance(self.protected_spans, tuple) and all(
-            isinstance(s, tuple) and len(s) == 2 and _int(s[0], 0) and _int(s[1], 0) and s[0] < s[1]
-            for s in self.protected_spans)
-        _require(spans_ok, "protected_spans", self.protected_spans, "a tuple of (start, end) int pairs with start < end")
-        _require(self.recent_bits is None or self.recent_bits in BITS, "recent_bits", self.recent_bits, f"None or one of {BITS}")
-        _require(self.mid_bits is None or self.mid_bits in BITS, "mid_bits", self.mid_bits, f"None or one of {BITS}")
+        _require(_spans_ok(self.protected_spans), "protected_spans", self.protected_spans,
+                 "a tuple of (start, end) int pairs with 0 <= start < end")
+        for name in ("recent_bits", "mid_bits"):
+            value = getattr(self, name)
+            _require(value is None or (_is_int(value) and value in BITS), name, value, f"None or an int in {BITS}")
         for name in ("key_energy", "value_energy"):
             value = getattr(self, name)
             _require(value is None or _fraction(value), name, value, "None or a float in (0, 1]")
         _require(_int(self.observation_window, 1), "observation_window", self.observation_window, "an int >= 1")
-        _require(isinstance(self.score_margin, (int, float)) and self.score_margin > 0,
-                 "score_margin", self.score_margin, "a number > 0")
+        _require(_real(self.score_margin) and self.score_margin > 0,
+                 "score_margin", self.score_margin, "a finite number > 0")
         _require(self.refit_after is None or _int(self.refit_after, 1), "refit_after", self.refit_after,
                  "None or an int >= 1 (tokens)")
-        _require(self.target_ratio is None or (isinstance(self.target_ratio, (int, float)) and self.target_ratio >= 1),
-                 "target_ratio", self.target_ratio, "None or a number >= 1 (times smaller than fp16)")
+        _require(self.target_ratio is None or (_real(self.target_ratio) and self.target_ratio >= 1),
+                 "target_ratio", self.target_ratio, "None or a finite number >= 1 (times smaller than fp16)")
         _require(self.layer_budget_bytes is None or _int(self.layer_budget_bytes, 1),
                  "layer_budget_bytes", self.layer_budget_bytes, "None or an int >= 1")
-        _require(self.over_budget in OVER_BUDGET, "over_budget", self.over_budget, f"one of {OVER_BUDGET}")
-        _require(self.eviction_scope in EVICTION_SCOPES, "eviction_scope", self.eviction_scope,
+        _require(_choice(self.over_budget, OVER_BUDGET), "over_budget", self.over_budget, f"one of {OVER_BUDGET}")
+        _require(_choice(self.eviction_scope, EVICTION_SCOPES), "eviction_scope", self.eviction_scope,
                  f"one of {EVICTION_SCOPES}")
         _require(self.max_pages is None or _int(self.max_pages, 1), "max_pages", self.max_pages, "None or an int >= 1")
         _require(_int(self.prefill_chunk_size, 1), "prefill_chunk_size", self.prefill_chunk_size, "an int >= 1")
         if self.policy == "full":
-            _require(self.target_ratio is None and self.layer_budget_bytes is None, "target_ratio",
-                     self.target_ratio, "None with policy 'full' (it keeps every token exactly; use Config.lossless())")
+            for name in ("target_ratio", "layer_budget_bytes"):
+                _require(getattr(self, name) is None, name, getattr(self, name),
+                         "None with policy 'full' (it keeps every token exactly; use Config.lossless())")
 
     @classmethod
     def lossless(cls, **overrides) -> "Config":

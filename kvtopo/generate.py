@@ -4,20 +4,42 @@ The model (compiled with backend="kvtopo") is called without any HF cache: each 
 the new tokens, with their absolute positions, and the kvtopo attention op supplies the history
 from the session's store. Left padding in a batch is carried by the session's step validity mask,
 so pad tokens are never stored or attended to.
+
+Stopping follows HF `model.generate` (transformers 5): the eos ids come from the argument, else
+from `model.generation_config`; a sequence is finished at the first eos it emits, every later
+position of it holds the pad id (argument, else `generation_config.pad_token_id`, else the first
+eos id), the pad ids are fed to the model like HF feeds them (as real tokens), and the loop ends
+as soon as every sequence is finished, so the result may be shorter than `max_new_tokens`.
+
+Every argument is checked before the first forward (and before the session is cleared): a bad
+one raises naming the argument, its value and what is allowed.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
 from tqdm.auto import tqdm
 
+from kvtopo.compiled import KVTOPO, compiled_backend
 from kvtopo.config import Config
 from kvtopo.runtime import context
 from kvtopo.runtime.session import Session
 
 _PROGRESS_MIN_TOKENS = 4096
+
+
+class _FromGenerationConfig:
+    """Default of `eos_token_id` / `pad_token_id`: read `model.generation_config` (None is a value)."""
+
+    def __repr__(self) -> str:
+        return "<from model.generation_config>"
+
+
+FROM_GENERATION_CONFIG = _FromGenerationConfig()
 
 
 def generate(
@@ -30,32 +52,56 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = FROM_GENERATION_CONFIG,
     prefill_chunk_size: int | None = None,
     generator: torch.Generator | None = None,
     progress: bool | None = None,
     return_logits: bool = False,
+    pad_token_id: int | None = FROM_GENERATION_CONFIG,
 ):
-    """Generate `max_new_tokens` after `input_ids` [batch, prompt] -> LongTensor [batch, prompt + new].
+    """Generate up to `max_new_tokens` after `input_ids` [batch, prompt] -> LongTensor [batch, prompt + new].
 
     Runs in the active session if there is one (so its `stats()` can be read afterwards), else in
-    a fresh session built from `config` (default `Config()`). `attention_mask` marks left padding.
-    With `return_logits=True` also returns the logits of every generated step [batch, new, vocab].
+    a fresh session built from `config` (default `Config()`). `attention_mask` marks left padding
+    (bool or 0/1 integers). With `return_logits=True` also returns the logits of every step run
+    [batch, new, vocab].
+
+    `eos_token_id`: an id or a list of ids; by default `model.generation_config.eos_token_id`;
+    None: no eos (as HF, where passing None overrides the generation config). Each sequence stops
+    at its first eos; its later positions hold `pad_token_id` (default
+    `model.generation_config.pad_token_id`, else the first eos id); `new` is the number of steps
+    run: `max_new_tokens`, or fewer when every sequence has stopped.
+
+    Sampling arguments are checked in every mode for values that are meaningless in any mode
+    (top_k < 1, top_p outside (0, 1], temperature NaN, infinite or negative); temperature 0 is
+    accepted only without sampling (HF warns and ignores sampling arguments when
+    do_sample=False). `top_k=None` / `top_p=None` (or 1.0) mean no filtering.
     """
-    if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
-        raise ValueError(f"input_ids must be a [batch, tokens] integer tensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    _check_input_ids(input_ids)
+    _check_int("max_new_tokens", max_new_tokens, 1)
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"kvtopo.generate: config={config!r} is invalid: None or a kvtopo.Config")
+    if prefill_chunk_size is not None:
+        _check_int("prefill_chunk_size", prefill_chunk_size, 1, "None (the config's) or ")
+    _check_sampling(do_sample, temperature, top_k, top_p, generator)
+    for name, value in (("progress", progress), ("return_logits", return_logits)):
+        if not (isinstance(value, bool) or (name == "progress" and value is None)):
+            raise ValueError(f"kvtopo.generate: {name}={value!r} is invalid: "
+                             f"{'None or ' if name == 'progress' else ''}a bool")
     mask = _validated_mask(input_ids, attention_mask)
     active = context.active_session()
     if active is not None and config is not None and config != active.config:
         raise ValueError("generate(config=...) differs from the active session's config; pass one or the other")
-    session = active or Session(config)
-    chunk = prefill_chunk_size or session.config.prefill_chunk_size
-    if not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"prefill_chunk_size={chunk!r} must be an int >= 1")
+    _check_compiled(model)
+    vocab = _vocab_size(model)
+    _check_ids_in_vocab(input_ids, vocab)
+    eos, pad = _special_tokens(model, eos_token_id, pad_token_id, vocab)
 
+    session = active or Session(config)
+    chunk = prefill_chunk_size if prefill_chunk_size is not None else session.config.prefill_chunk_size
     batch, prompt = input_ids.shape
+    device = input_ids.device
+    eos_ids = torch.tensor(eos, dtype=torch.long, device=device) if eos is not None else None
     positions = (mask.long().cumsum(1) - 1).clamp(min=0)
     show = progress if progress is not None else prompt + max_new_tokens >= _PROGRESS_MIN_TOKENS
     bar = tqdm(total=prompt + max_new_tokens, disable=not show, desc="kvtopo.generate", unit="tok")
@@ -70,18 +116,18 @@ def generate(
         if session.calls == calls_before:
             raise RuntimeError("no kvtopo attention ran during prefill: compile the model with "
                                "backend='kvtopo' (kvtopo.compile(model)) before kvtopo.generate")
-        finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+        unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         last_pos = positions[:, -1]
-        all_valid = torch.ones(batch, 1, dtype=torch.bool, device=input_ids.device)
+        all_valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
         for step in range(max_new_tokens):
             step_logits.append(logits)
             token = _select(logits, do_sample, temperature, top_k, top_p, generator)
-            if eos_token_id is not None:
-                token = torch.where(finished, torch.full_like(token, eos_token_id), token)
-                finished |= token == eos_token_id
+            if eos_ids is not None:  # as HF: finished sequences get the pad id, fed like any token
+                token = torch.where(unfinished, token, torch.full_like(token, pad))
+                unfinished &= ~torch.isin(token, eos_ids)
             tokens.append(token)
             bar.update(1)
-            if step == max_new_tokens - 1 or bool(finished.all()):
+            if step == max_new_tokens - 1 or not bool(unfinished.any()):
                 break
             last_pos = last_pos + 1
             logits = _forward(model, session, token[:, None], last_pos[:, None], all_valid)
@@ -89,11 +135,75 @@ def generate(
     return (out, torch.stack(step_logits, dim=1)) if return_logits else out
 
 
-def _validated_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+# -- argument checks (all before any forward) ---------------------------------------------------
+def _bad(name: str, value, allowed: str, error=ValueError):
+    return error(f"kvtopo.generate: {name}={value!r} is invalid: {allowed}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, lo: int, prefix: str = "") -> None:
+    if not (_is_int(value) and value >= lo):
+        raise _bad(name, value, f"{prefix}an int >= {lo}")
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"a {t.dtype} tensor of shape {tuple(t.shape)}"
+
+
+def _check_input_ids(input_ids) -> None:
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"kvtopo.generate: input_ids is a {type(input_ids).__name__}; "
+                        "allowed: a [batch, tokens] integer tensor")
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+        raise ValueError(f"kvtopo.generate: input_ids is {_describe(input_ids)}; "
+                         "allowed: a [batch, tokens] torch.long or torch.int tensor")
+    batch, prompt = input_ids.shape
+    if batch == 0:
+        raise ValueError(f"kvtopo.generate: input_ids has batch 0 (shape {tuple(input_ids.shape)}); "
+                         "allowed: at least one sequence")
+    if prompt == 0:
+        raise ValueError(f"kvtopo.generate: input_ids is an empty prompt (shape {tuple(input_ids.shape)}); "
+                         "allowed: at least one token per sequence")
+
+
+def _check_sampling(do_sample, temperature, top_k, top_p, generator) -> None:
+    if not isinstance(do_sample, bool):
+        raise _bad("do_sample", do_sample, "a bool")
+    if not (_is_real(temperature) and math.isfinite(temperature) and temperature >= 0):
+        raise _bad("temperature", temperature, "a finite number > 0 (0 only with do_sample=False)")
+    if do_sample and temperature == 0:
+        raise _bad("temperature", temperature, "a finite number > 0 when do_sample=True "
+                   "(for greedy decoding use do_sample=False)")
+    if top_k is not None and not (_is_int(top_k) and top_k >= 1):
+        raise _bad("top_k", top_k, "None (no top-k filtering) or an int >= 1")
+    if top_p is not None and not (_is_real(top_p) and 0 < top_p <= 1):
+        raise _bad("top_p", top_p, "None (no nucleus filtering) or a number in (0, 1]")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise _bad("generator", generator, "None or a torch.Generator", TypeError)
+
+
+def _validated_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
     if attention_mask is None:
         return torch.ones_like(input_ids, dtype=torch.bool)
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"kvtopo.generate: attention_mask is a {type(attention_mask).__name__}; "
+                        "allowed: None or a tensor shaped like input_ids")
     if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        raise ValueError(f"kvtopo.generate: attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                         f"{tuple(input_ids.shape)}; allowed: the same [batch, tokens] shape")
+    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
+        raise ValueError(f"kvtopo.generate: attention_mask is {_describe(attention_mask)}; "
+                         "allowed: a bool or integer (0/1) tensor")
+    if attention_mask.dtype != torch.bool and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)][0].item()
+        raise ValueError(f"kvtopo.generate: attention_mask holds the value {bad}; allowed: 0 (padding) and 1 (token)")
     mask = attention_mask.bool()
     if bool((mask.long().cummax(1).values.bool() != mask).any()):
         raise ValueError("attention_mask must be left-padded (no padding after a real token)")
@@ -102,6 +212,91 @@ def _validated_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     return mask
 
 
+def _check_compiled(model) -> None:
+    """Before the prefill: `model` (or a submodule of it) must be compiled with backend='kvtopo'."""
+    backend = compiled_backend(model)
+    if backend == KVTOPO:
+        return
+    others = {}
+    if isinstance(model, torch.nn.Module):
+        for name, module in model.named_modules():
+            inner = compiled_backend(module) if module is not model else None
+            if inner == KVTOPO:
+                return
+            if inner is not None:
+                others.setdefault(name, inner)
+    how = "it is not compiled" if backend is None else f"it is compiled with backend={backend!r}"
+    if backend is None and others:
+        name, inner = next(iter(others.items()))
+        how += f"; its submodule {name!r} is compiled with backend={inner!r}"
+    raise RuntimeError(f"kvtopo.generate: model {type(model).__name__} is not compiled with backend='kvtopo' "
+                       f"({how}); allowed: kvtopo.compile(model) or torch.compile(model, backend='kvtopo')")
+
+
+def _vocab_size(model) -> int | None:
+    """The input embedding's row count, else `config.vocab_size`, else None (unknown)."""
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            embeddings = get()
+        except (NotImplementedError, AttributeError):
+            embeddings = None
+        rows = getattr(embeddings, "num_embeddings", None)
+        if _is_int(rows):
+            return rows
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if _is_int(size) else None
+
+
+def _ids_allowed(vocab: int | None) -> str:
+    return f"ids in [0, {vocab}) (the model's vocabulary)" if vocab is not None else "ids >= 0"
+
+
+def _check_ids_in_vocab(input_ids: torch.Tensor, vocab: int | None) -> None:
+    """Every id, padding included (padding is embedded too, then masked), must be an embedding row."""
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        bad = low if low < 0 else high
+        where = (input_ids == bad).nonzero()[0].tolist()
+        raise ValueError(f"kvtopo.generate: input_ids holds {bad} at [{where[0]}, {where[1]}]; "
+                         f"allowed: {_ids_allowed(vocab)}")
+
+
+def _special_tokens(model, eos_token_id, pad_token_id, vocab: int | None) -> tuple[list[int] | None, int | None]:
+    """(eos ids or None, pad id) as HF generate resolves them; validated against the vocabulary."""
+    generation_config = getattr(model, "generation_config", None)
+    ids = {}
+    for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+        source = ""
+        if value is FROM_GENERATION_CONFIG:
+            value, source = getattr(generation_config, name, None), " (from model.generation_config)"
+        ids[name] = _token_list(name, value, vocab, single=name == "pad_token_id", source=source)
+    eos, pad = ids["eos_token_id"], ids["pad_token_id"]
+    if eos is None:
+        return None, None  # no stopping, nothing is padded (HF too: padding needs an eos criterion)
+    return eos, (pad[0] if pad is not None else eos[0])
+
+
+def _token_list(name: str, value, vocab: int | None, single: bool, source: str) -> list[int] | None:
+    if value is None:
+        return None
+    allowed = ("None or an int" if single else "None, an int or a non-empty list of ints") + f": {_ids_allowed(vocab)}"
+    ids = value
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool \
+                or ids.dim() > (0 if single else 1):
+            raise ValueError(f"kvtopo.generate: {name}{source} is {_describe(ids)}; allowed: {allowed}")
+        ids = ids.tolist()
+    if _is_int(ids):
+        ids = [ids]
+    elif single or not isinstance(ids, (list, tuple)):
+        ids = None
+    if not ids or not all(_is_int(i) and i >= 0 and (vocab is None or i < vocab) for i in ids):
+        raise ValueError(f"kvtopo.generate: {name}={value!r}{source} is invalid: {allowed}")
+    return list(ids)
+
+
+# -- the loop's pieces --------------------------------------------------------------------------
 def _forward(model, session: Session, ids, positions, valid) -> torch.Tensor:
     with session.step(valid):
         out = model(input_ids=ids, position_ids=positions, use_cache=False)
@@ -112,13 +307,11 @@ def _forward(model, session: Session, ids, positions, valid) -> torch.Tensor:
 def _select(logits, do_sample, temperature, top_k, top_p, generator) -> torch.Tensor:
     if not do_sample:
         return logits.argmax(-1)
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature} must be > 0 when sampling")
     logits = logits / temperature
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
+    if top_p is not None and top_p < 1:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_logits.softmax(-1) > top_p
