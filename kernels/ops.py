@@ -99,3 +99,5 @@ DECOMPOSITIONS = {
     torch.ops.kvtopo.attention.default: _attention_decomposition,
     torch.ops.kvtopo.mla_attention.default: _mla_attention_decomposition,
 }
+
+from . import effects  # noqa: E402,F401  (the ops append to the session store: registered effectful there)

@@ -19,6 +19,31 @@ log = logging.getLogger("kvtopo")
 REPORTS: list[PassReport] = []
 
 
+# Why kvtopo graphs never become CUDA graphs (mode="reduce-overhead"/"max-autotune", cudagraph options).
+CUDA_GRAPHS_REFUSED = (
+    "kvtopo graphs cannot run as CUDA graphs: every kvtopo attention call finds the active session and "
+    "reads and appends to its KV store on the host, and a replayed CUDA graph runs only the recorded "
+    "kernels, so the store would stop receiving tokens and attention would see a stale history. "
+    "Compile without them: torch.compile(model, backend='kvtopo'), no CUDA-graph mode or option"
+)
+
+
+def _cuda_graph_request(mode: str | None, inductor: bool) -> str | None:
+    """Why this compile would use CUDA graphs, if it would (None when it would not)."""
+    from torch._inductor import config as inductor_config, list_mode_options
+
+    if mode is not None:
+        try:
+            graphs = list_mode_options(mode).get("triton.cudagraphs", False)
+        except Exception:  # not a mode Inductor knows
+            graphs = False
+        if graphs:
+            return f"mode={mode!r} turns on CUDA graphs"
+    if inductor and inductor_config.triton.cudagraphs:  # compile_fx would honour the global flag
+        return "torch._inductor.config.triton.cudagraphs is True"
+    return None
+
+
 @dataclass(frozen=True)
 class BackendOptions:
     """inductor: hand the rewritten graph to Inductor (True) or run it eagerly (False, for debugging)."""
@@ -26,8 +51,16 @@ class BackendOptions:
     inductor: bool = True
 
     @classmethod
-    def from_dict(cls, options: dict | None) -> "BackendOptions":
+    def from_dict(cls, options: dict | None, mode: str | None = None) -> "BackendOptions":
+        """`mode` is torch.compile's, which torch passes to backends other than Inductor."""
         options = dict(options or {})
+        if graphs := [k for k in options if "cudagraph" in str(k)]:
+            raise ValueError(f"kvtopo backend option(s) {graphs} refused: {CUDA_GRAPHS_REFUSED}")
+        if reason := _cuda_graph_request(mode, options.get("inductor", True) is not False):
+            raise ValueError(f"kvtopo refuses this compile ({reason}): {CUDA_GRAPHS_REFUSED}")
+        if mode is not None and mode != "default":
+            raise ValueError(f"the kvtopo backend takes no mode (got mode={mode!r}): its graphs go to Inductor "
+                             "with Inductor's defaults; options={'inductor': bool} is all it accepts")
         unknown = set(options) - {"inductor"}
         if unknown:
             raise ValueError(f"unknown kvtopo backend option(s) {sorted(unknown)}; allowed: ['inductor']")
@@ -36,8 +69,8 @@ class BackendOptions:
         return cls(**options)
 
 
-def kvtopo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
-    opts = BackendOptions.from_dict(options)
+def kvtopo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
+    opts = BackendOptions.from_dict(options, mode)
     report = run_passes(gm)
     REPORTS.append(report)
     log.info("%s", report.format())
