@@ -122,13 +122,15 @@ class _Binding:
                                 lay.recent_code_bits, lay.mid_code_bits, lay.shared_value_dim)
 
 
-def kvtopo_cached_attention(query, key, value, attn_mask, scale, is_causal, layer):
+def kvtopo_cached_attention(query, key, value, attn_mask, scale, is_causal, layer, window=None, softcap=None,
+                            model_key=None):
     """Replacement target of `kvtopo.attention` nodes inside DecodeStep (the mask is the model's
     own causal mask for the chunk; the cache's causal structure is rebuilt from lengths)."""
     return _BINDINGS[-1].attend(layer, query, key, value, scale)
 
 
-def kvtopo_cached_mla_attention(query, latent, rope_key, kv_up_weight, attn_mask, scale, is_causal, layer, nope_dim):
+def kvtopo_cached_mla_attention(query, latent, rope_key, kv_up_weight, attn_mask, scale, is_causal, layer, nope_dim,
+                                model_key=None):
     """Replacement target of `kvtopo.mla_attention` nodes: the op's latent-space attention, with
     the latent + RoPE key cached as one kv-head whose value is the latent."""
     q_latent, keys, w_value = absorbed_mla_inputs(query, latent, rope_key, kv_up_weight, nope_dim)
@@ -220,6 +222,11 @@ def _sorted_topk(gm: fx.GraphModule) -> None:
 
 def layout_for(model: nn.Module, captured: Captured, config: Config, max_context: int) -> CacheLayout:
     sites = captured.sites
+    special = [s for s in sites if not isinstance(s, MLASite) and (s.window or s.softcap)]
+    if special:
+        raise NotImplementedError(
+            "export does not carry sliding windows or logit softcapping yet; these layers have them: "
+            + "; ".join(f"{s.layer} (window={s.window}, softcap={s.softcap})" for s in special))
     shapes = [_cached_shape(s) for s in sites]
     if any(shape != shapes[0] for shape in shapes):
         raise NotImplementedError("export needs every attention layer to cache the same shapes (and either all or "

@@ -93,8 +93,13 @@ def _softmax_lse(logits: Tensor) -> tuple[Tensor, Tensor]:
     return p / torch.where(total > 0, total, torch.ones_like(total)), lse
 
 
+def _capped(logits: Tensor, softcap: float | None) -> Tensor:
+    """Logit softcapping (Gemma-2): ``softcap * tanh(logits / softcap)``, applied before any mask."""
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
 def partial_dense(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None = None
+    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None = None, softcap: float | None = None
 ) -> tuple[Tensor, Tensor]:
     """Attention of q [Hq, T, d] to exact keys k [Hkv, N, d] and values v [Hkv, N, dv].
 
@@ -105,7 +110,7 @@ def partial_dense(
     hq, t, _ = q.shape
     if n == 0:
         return _empty(q, v.shape[-1])
-    logits = scale * (_group(q, kv_heads) @ k.float().transpose(1, 2))
+    logits = _capped(scale * (_group(q, kv_heads) @ k.float().transpose(1, 2)), softcap)
     if mask is not None:
         logits = logits.view(kv_heads, -1, t, n).masked_fill(~mask, -float("inf")).view(kv_heads, -1, n)
     p, lse = _softmax_lse(logits)
@@ -113,7 +118,8 @@ def partial_dense(
     return out.reshape(hq, t, -1), lse.reshape(hq, t)
 
 
-def partial_lowrank(q: Tensor, keys: LowRankHeads, values: LowRankHeads, scale: float) -> tuple[Tensor, Tensor]:
+def partial_lowrank(q: Tensor, keys: LowRankHeads, values: LowRankHeads, scale: float,
+                    softcap: float | None = None) -> tuple[Tensor, Tensor]:
     """Attention of q [Hq, T, d] to a Mid segment, computed on coefficients only.
 
     Every query row sees every token of the segment (Mid pages precede the chunk).
@@ -126,7 +132,7 @@ def partial_lowrank(q: Tensor, keys: LowRankHeads, values: LowRankHeads, scale: 
     qg = _group(q, kv_heads)
     projected = qg @ keys.vectors  # [Hkv, G*T, Rk]
     shift = qg @ keys.mean.unsqueeze(-1)  # [Hkv, G*T, 1]: q . mean_k, shared by all tokens
-    logits = scale * (projected @ keys.coefficients.transpose(1, 2) + shift)
+    logits = _capped(scale * (projected @ keys.coefficients.transpose(1, 2) + shift), softcap)
     p, lse = _softmax_lse(logits)
     mixed = p @ values.coefficients  # [Hkv, G*T, Rv]
     out = mixed @ values.vectors.transpose(1, 2) + values.mean.unsqueeze(1)

@@ -24,16 +24,27 @@ def attention(
     scale: float,
     is_causal: bool,
     layer: str,
+    window: int | None = None,
+    softcap: float | None = None,
+    model_key: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query [B, Hq, T, d]; key/value [B, Hkv, S, d|dv] (kv-heads, not repeated) -> [B, Hq, T, dv]."""
+    """query [B, Hq, T, d]; key/value [B, Hkv, S, d|dv] (kv-heads, not repeated) -> [B, Hq, T, dv].
+
+    `window`: the site's sliding window (query i sees keys i - window < j <= i); outside a session
+    `attn_mask` already encodes it, inside one the store keeps and attends only that band.
+    `softcap`: logits are `softcap * tanh(logits / softcap)` before the mask and softmax.
+    `model_key`: a parameter of the calling model; a session keeps one store per model by it.
+    """
     session = active_session()
     if session is None:
-        return grouped_attention(query, key, value, attn_mask, scale, is_causal)
-    return session.attend(layer, query, key, value, attn_mask, scale)
+        return grouped_attention(query, key, value, attn_mask, scale, is_causal, softcap)
+    return session.attend(layer, query, key, value, attn_mask, scale, is_causal=is_causal, window=window,
+                          softcap=softcap, model_key=model_key)
 
 
 @attention.register_fake
-def _attention_fake(query, key, value, attn_mask, scale, is_causal, layer):
+def _attention_fake(query, key, value, attn_mask, scale, is_causal, layer, window=None, softcap=None,
+                    model_key=None):
     return query.new_empty(*query.shape[:-1], value.shape[-1])
 
 
@@ -48,6 +59,7 @@ def mla_attention(
     is_causal: bool,
     layer: str,
     nope_dim: int,
+    model_key: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Multi-head latent attention computed in the latent space (DeepSeek-V2/V3).
 
@@ -62,8 +74,8 @@ def mla_attention(
     if session is None:
         out_latent = grouped_attention(q_latent, keys, latent, attn_mask, scale, is_causal)
     else:
-        out_latent = session.attend(layer, q_latent, keys, latent, attn_mask, scale,
-                                    shared_value_dim=latent.shape[-1])
+        out_latent = session.attend(layer, q_latent, keys, latent, attn_mask, scale, is_causal=is_causal,
+                                    shared_value_dim=latent.shape[-1], model_key=model_key)
     return torch.einsum("bhtr,hvr->bhtv", out_latent, w_value).contiguous()
 
 
@@ -78,16 +90,19 @@ def absorb_mla_query(query, kv_up_weight, nope_dim: int, latent_dim: int):
 
 
 @mla_attention.register_fake
-def _mla_attention_fake(query, latent, rope_key, kv_up_weight, attn_mask, scale, is_causal, layer, nope_dim):
+def _mla_attention_fake(query, latent, rope_key, kv_up_weight, attn_mask, scale, is_causal, layer, nope_dim,
+                        model_key=None):
     value_dim = kv_up_weight.shape[0] // query.shape[1] - nope_dim
     return query.new_empty(*query.shape[:-1], value_dim)
 
 
-def _attention_decomposition(query, key, value, attn_mask, scale, is_causal, layer):
-    return attention_decomposition(query, key, value, attn_mask, scale, is_causal)
+def _attention_decomposition(query, key, value, attn_mask, scale, is_causal, layer, window=None, softcap=None,
+                             model_key=None):
+    return attention_decomposition(query, key, value, attn_mask, scale, is_causal, softcap)
 
 
-def _mla_attention_decomposition(query, latent, rope_key, kv_up_weight, attn_mask, scale, is_causal, layer, nope_dim):
+def _mla_attention_decomposition(query, latent, rope_key, kv_up_weight, attn_mask, scale, is_causal, layer, nope_dim,
+                                 model_key=None):
     q_latent, w_value = absorb_mla_query(query, kv_up_weight, nope_dim, latent.shape[-1])
     keys = torch.cat([latent, rope_key], dim=-1)
     out_latent = attention_decomposition(q_latent, keys, latent, attn_mask, scale, is_causal)

@@ -17,12 +17,17 @@ def grouped_attention(
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
     is_causal: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Softmax attention of query heads over kv-head-grouped keys/values.
 
     `attn_mask` follows `scaled_dot_product_attention`: bool (True = attend) or additive float,
-    broadcastable to [B, Hq, T, S].
+    broadcastable to [B, Hq, T, S]. `softcap` caps the scaled logits (`cap * tanh(x / cap)`)
+    before the mask, which SDPA cannot do, so that case runs the explicit decomposition.
     """
+    if softcap is not None:
+        scale = scale if scale is not None else query.shape[-1] ** -0.5
+        return attention_decomposition(query, key, value, attn_mask, scale, is_causal, softcap).contiguous()
     grouped = query.shape[-3] != key.shape[-3]
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, scale=scale, is_causal=is_causal, enable_gqa=grouped
@@ -30,11 +35,14 @@ def grouped_attention(
     return out.contiguous()
 
 
-def chunk_causal_mask(history: int, chunk: int, device: torch.device | None = None) -> torch.Tensor:
-    """Bool mask [chunk, history + chunk]: every history token visible, causal within the chunk."""
-    rows = torch.arange(chunk, device=device)[:, None]
+def chunk_causal_mask(history: int, chunk: int, device: torch.device | None = None,
+                      window: int | None = None) -> torch.Tensor:
+    """Bool mask [chunk, history + chunk]: every history token visible, causal within the chunk;
+    with a sliding `window`, query i sees only keys j with i - window < j <= i."""
+    rows = torch.arange(chunk, device=device)[:, None] + history
     cols = torch.arange(history + chunk, device=device)[None, :]
-    return cols <= rows + history
+    visible = cols <= rows
+    return visible if window is None else visible & (rows - cols < window)
 
 
 def attention_decomposition(
@@ -44,6 +52,7 @@ def attention_decomposition(
     attn_mask: torch.Tensor | None,
     scale: float,
     is_causal: bool,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The same attention written with plain aten ops (matmul, softmax), for graph export."""
     groups = query.shape[-3] // key.shape[-3]
@@ -51,6 +60,8 @@ def attention_decomposition(
         key = key.repeat_interleave(groups, dim=-3)
         value = value.repeat_interleave(groups, dim=-3)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if is_causal:
         # Top-left aligned, as `scaled_dot_product_attention(is_causal=True)` defines it.
         t, s = scores.shape[-2], scores.shape[-1]

@@ -12,11 +12,25 @@ from dataclasses import dataclass
 import torch
 
 from kvtopo.passes.manager import PassReport, run_passes
+from kvtopo.runtime.context import active_session
 
 log = logging.getLogger("kvtopo")
 
 # Reports of every graph compiled by this backend in this process, oldest first.
 REPORTS: list[PassReport] = []
+
+class RefusedAttention(RuntimeError):
+    """A graph with attention the passes refused ran inside a session: that attention would see
+    only the new chunk, never the cached history."""
+
+    def __init__(self, report: PassReport):
+        self.report = report
+        reasons = "; ".join(r.describe() for r in report.refusals)
+        super().__init__(
+            f"this compiled graph has {len(report.refusals)} attention site(s) kvtopo refused, so inside a kvtopo "
+            f"session they would attend over the new tokens only: {reasons}. Run the model outside a session "
+            "(it is unchanged there), or use kvtopo.generate, which falls back to the model's own cache when "
+            "no site was rewritten.")
 
 
 # Why kvtopo graphs never become CUDA graphs (mode="reduce-overhead"/"max-autotune", cudagraph options).
@@ -79,5 +93,18 @@ def kvtopo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     if opts.inductor:
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs)
-    return gm.forward
+        compiled = compile_fx(gm, example_inputs)
+    else:
+        compiled = gm.forward
+    return _refuse_in_session(compiled, report) if report.refusals else compiled
+
+
+def _refuse_in_session(compiled, report: PassReport):
+    """The graph as compiled, except that inside a session it raises before computing anything."""
+
+    def run(*args):
+        if active_session() is not None:
+            raise RefusedAttention(report)
+        return compiled(*args)
+
+    return run

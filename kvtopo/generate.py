@@ -18,12 +18,15 @@ one raises naming the argument, its value and what is allowed.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
 from tqdm.auto import tqdm
+from transformers import PretrainedConfig
 
+from kvtopo.backend import RefusedAttention
 from kvtopo.compiled import KVTOPO, compiled_backend
 from kvtopo.config import Config
 from kvtopo.runtime import context
@@ -109,13 +112,20 @@ def generate(
     with (session if active is None else nullcontext()), torch.no_grad(), bar:
         session.clear()
         calls_before = session.calls
-        for start in range(0, prompt, chunk):
-            end = min(start + chunk, prompt)
-            logits = _forward(model, session, input_ids[:, start:end], positions[:, start:end], mask[:, start:end])
-            bar.update(end - start)
-        if session.calls == calls_before:
-            raise RuntimeError("no kvtopo attention ran during prefill: compile the model with "
-                               "backend='kvtopo' (kvtopo.compile(model)) before kvtopo.generate")
+        forward = _SessionForward(model, session)
+        try:
+            logits = _prefill(forward, input_ids, positions, mask, chunk, bar)
+        except RefusedAttention as refused:
+            if refused.report.sites or session.calls != calls_before:
+                raise
+            warnings.warn(f"kvtopo.generate: no attention site of this model was rewritten, so nothing is "
+                          f"compressed; generating with the model's own cache instead ({refused})", stacklevel=2)
+            forward = _UncompressedForward(model)
+            logits = _prefill(forward, input_ids, positions, mask, prompt, bar)
+        else:
+            if session.calls == calls_before:
+                raise RuntimeError("no kvtopo attention ran during prefill: compile the model with "
+                                   "backend='kvtopo' (kvtopo.compile(model)) before kvtopo.generate")
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         last_pos = positions[:, -1]
         all_valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
@@ -130,7 +140,7 @@ def generate(
             if step == max_new_tokens - 1 or not bool(unfinished.any()):
                 break
             last_pos = last_pos + 1
-            logits = _forward(model, session, token[:, None], last_pos[:, None], all_valid)
+            logits = forward(token[:, None], last_pos[:, None], all_valid)
     out = torch.cat([input_ids, torch.stack(tokens, dim=1).to(input_ids.dtype)], dim=1)
     return (out, torch.stack(step_logits, dim=1)) if return_logits else out
 
@@ -297,11 +307,57 @@ def _token_list(name: str, value, vocab: int | None, single: bool, source: str) 
 
 
 # -- the loop's pieces --------------------------------------------------------------------------
-def _forward(model, session: Session, ids, positions, valid) -> torch.Tensor:
-    with session.step(valid):
-        out = model(input_ids=ids, position_ids=positions, use_cache=False)
+def _prefill(forward, input_ids, positions, mask, chunk: int, bar) -> torch.Tensor:
+    for start in range(0, input_ids.shape[1], chunk):
+        end = min(start + chunk, input_ids.shape[1])
+        logits = forward(input_ids[:, start:end], positions[:, start:end], mask[:, start:end])
+        bar.update(end - start)
+    return logits
+
+
+def _last_logits(out) -> torch.Tensor:
     logits = out.logits if hasattr(out, "logits") else out[0]
     return logits[:, -1].float()
+
+
+class _SessionForward:
+    """One forward of the new tokens only; the kvtopo ops supply the history from the session.
+    A chunk with padding also passes it as the attention mask, so the graph's own mask over the
+    chunk says what the session applies (the session checks that it does)."""
+
+    def __init__(self, model, session: Session):
+        self.model, self.session = model, session
+
+    def __call__(self, ids, positions, valid) -> torch.Tensor:
+        padding = {} if bool(valid.all()) else {"attention_mask": valid.long()}
+        with self.session.step(valid):
+            return _last_logits(self.model(input_ids=ids, position_ids=positions, use_cache=False, **padding))
+
+
+class _UncompressedForward:
+    """The model's own generation, outside the session, for a model none of whose attention was
+    rewritten: an HF model keeps its own cache; another module recomputes the whole sequence."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache = None
+        if isinstance(getattr(model, "config", None), PretrainedConfig):
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache(config=model.config)
+        self.ids = self.positions = self.valid = None
+
+    def __call__(self, ids, positions, valid) -> torch.Tensor:
+        grow = lambda held, new: new if held is None else torch.cat([held, new], 1)  # noqa: E731
+        self.ids, self.positions, self.valid = grow(self.ids, ids), grow(self.positions, positions), grow(self.valid, valid)
+        with context.suspended():
+            if self.cache is not None:
+                out = self.model(input_ids=ids, position_ids=positions, attention_mask=self.valid.long(),
+                                 past_key_values=self.cache, use_cache=True)
+            else:
+                padding = {} if bool(self.valid.all()) else {"attention_mask": self.valid.long()}
+                out = self.model(input_ids=self.ids, position_ids=self.positions, use_cache=False, **padding)
+        return _last_logits(out)
 
 
 def _select(logits, do_sample, temperature, top_k, top_p, generator) -> torch.Tensor:

@@ -197,6 +197,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
         chunk = (new if new is not None else inputs["inputs_embeds"]).shape[1]
         steps.close()  # the previous forward's step ends here
         steps.enter_context(session.step(step_mask[:, -chunk:].bool()))
+        # The graph's mask covers the new chunk only (SessionCache.get_mask_sizes), so its padding
+        # must come from the chunk's columns, not from the start of the whole history's mask.
+        inputs["attention_mask"] = step_mask[:, -chunk:]
         return inputs
 
     model.prepare_inputs_for_generation = prepare_inputs

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .find_window import mask_window
 from .graph_utils import (ActivationSources, arg, attention_shapes, check_self_attention, constant_value, is_call,
                           layer_name, meta_tensor, skip_casts, strip_repeat_kv)
 from .site import AttentionSite, NotAttention, Refusal
@@ -66,7 +67,7 @@ def _match(softmax: fx.Node, layer: str, sources: ActivationSources) -> Attentio
     if dim not in (-1, rank - 1):
         raise NotAttention(f"softmax over dim {dim}, not the key axis (-1)")
     output, value = _probabilities_to_output(softmax)
-    query, key_t, masks, scale = _scores_from_softmax(softmax)
+    query, key_t, masks, scale, softcap = _scores_from_softmax(softmax)
     key = _untranspose(key_t)
     key, _ = strip_repeat_kv(key)
     value, _ = strip_repeat_kv(value)
@@ -78,7 +79,8 @@ def _match(softmax: fx.Node, layer: str, sources: ActivationSources) -> Attentio
     return AttentionSite(
         layer=layer, pattern="eager", query=query, key=key, value=value, masks=tuple(masks),
         scale=scale, is_causal=False, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        value_head_dim=value_dim, output=output,
+        value_head_dim=value_dim, output=output, window=mask_window([m for m, _ in masks]) if masks else None,
+        softcap=softcap,
     )
 
 
@@ -105,15 +107,23 @@ def _is_inference_dropout(node: fx.Node) -> bool:
 
 
 def _scores_from_softmax(softmax: fx.Node):
-    """Walk up from the softmax input to `matmul(q, k^T)`, collecting masks and the scale."""
+    """Walk up from the softmax input to `matmul(q, k^T)`, collecting masks, the scale and a
+    logit softcap (`cap * tanh(scores / cap)`, applied after the scale and before the masks)."""
     node = skip_casts(softmax.args[0])
     masks: list[tuple[fx.Node, str]] = []
     scale = 1.0
+    softcap = None
     scaled = False  # walking upwards: a mask met after a scale was applied to masked scores
     while True:
         if _is(node, _MATMUL):
-            return node.args[0], node.args[1], masks, scale
+            return node.args[0], node.args[1], masks, scale, softcap
         _single_user(node, "attention scores")
+        if softcap is None and not scaled and (capped := _softcap(node)) is not None:
+            softcap, node = capped
+            continue
+        if softcap is not None and (_is(node, _ADD) or is_call(node, torch.where)
+                                    or is_call(node, torch.masked_fill, methods=("masked_fill",))):
+            raise NotAttention("a mask is applied inside the logit softcap's tanh")
         if _is(node, _MUL) or _is(node, _DIV):
             a, b = node.args[0], node.args[1]
             factor, scores = (constant_value(b), a) if isinstance(a, fx.Node) else (constant_value(a), b)
@@ -143,6 +153,28 @@ def _scores_from_softmax(softmax: fx.Node):
             raise NotAttention(f"scores pass through {_describe(node)} between the matmul and the softmax")
 
 
+def _softcap(node: fx.Node) -> tuple[float, fx.Node] | None:
+    """(cap, scores) when `node` is `tanh(scores / cap) * cap` (or `* (1 / cap)` inside), else None."""
+    if not _is(node, _MUL):
+        return None
+    a, b = node.args[0], node.args[1]
+    cap, outer = (constant_value(b), a) if isinstance(a, fx.Node) else (constant_value(a), b)
+    tanh = skip_casts(outer)
+    if cap is None or not is_call(tanh, torch.tanh, methods=("tanh",)):
+        return None
+    _single_user(tanh, "softcapped scores")
+    inner = skip_casts(tanh.args[0])
+    _single_user(inner, "scores divided by the softcap")
+    x, y = inner.args[0], inner.args[1] if len(inner.args) > 1 else None
+    divisor = constant_value(y) if _is(inner, _DIV) else None
+    if _is(inner, _MUL):
+        factor, x = (constant_value(y), x) if isinstance(x, fx.Node) else (constant_value(x), y)
+        divisor = 1.0 / factor if factor else None
+    if divisor is None or not isinstance(x, fx.Node) or abs(divisor - cap) > 1e-6 * abs(cap) or cap <= 0:
+        raise NotAttention(f"scores pass through tanh ({tanh.name}) but not as `cap * tanh(scores / cap)`")
+    return cap, skip_casts(x)
+
+
 def _split_scores(a, b) -> tuple[fx.Node, fx.Node]:
     """Which operand of `a + b` is the score chain (leads to matmul) and which the mask."""
     for scores, mask in ((a, b), (b, a)):
@@ -156,7 +188,7 @@ def _split_scores(a, b) -> tuple[fx.Node, fx.Node]:
 def _leads_to_matmul(node) -> bool:
     node = skip_casts(node)
     while _is(node, _MUL) or _is(node, _DIV) or _is(node, _ADD) or is_call(node, torch.where) \
-            or is_call(node, torch.masked_fill, methods=("masked_fill",)):
+            or is_call(node, torch.masked_fill, methods=("masked_fill",)) or is_call(node, torch.tanh, methods=("tanh",)):
         args = [a for a in node.args[:3] if isinstance(a, fx.Node)]
         if not args:
             return False

@@ -88,6 +88,8 @@ def _looks_like_mla(key: fx.Node) -> bool:
 def _prove_mla(site: AttentionSite) -> MLASite:
     key, value = site.key, site.value
     kv = key.args[0]
+    if site.window or site.softcap:
+        raise NotAttention(f"MLA with a sliding window ({site.window}) or logit softcap ({site.softcap}) is not supported")
     if site.kv_heads != site.heads:
         raise NotAttention("MLA keys must have one head per query head")
     # value = split(kv, [nope, v], dim=-1)[1]

@@ -6,8 +6,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .find_window import mask_window
 from .graph_utils import (ActivationSources, arg, attention_shapes, check_self_attention, default_scale, is_call,
-                          layer_name, meta_tensor, strip_repeat_kv)
+                          layer_name, meta_tensor, static_int, strip_repeat_kv)
 from .site import AttentionSite, NotAttention, Refusal
 
 
@@ -50,8 +51,12 @@ def _match(node: fx.Node, layer: str, sources: ActivationSources) -> AttentionSi
         if not isinstance(mask, fx.Node):
             raise NotAttention(f"attn_mask is a constant ({mask!r}), not a tensor")
         masks = ((mask, "bool" if meta_tensor(mask).dtype == torch.bool else "additive"),)
+    elif not is_causal and static_int(meta_tensor(query).shape[2]) != 1:
+        raise NotAttention("no attn_mask and is_causal=False: bidirectional attention (every query sees every "
+                           "key of its chunk), which a causal KV cache cannot reproduce")
     return AttentionSite(
         layer=layer, pattern="sdpa", query=query, key=key, value=value, masks=masks,
         scale=float(scale) if scale is not None else default_scale(head_dim), is_causal=is_causal,
         heads=heads, kv_heads=kv_heads, head_dim=head_dim, value_head_dim=value_dim, output=node,
+        window=mask_window([mask]) if mask is not None else None,
     )

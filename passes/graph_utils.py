@@ -123,6 +123,14 @@ def _weight_placeholder(node: fx.Node) -> bool:
     return "_parameters_" in node.name or "_buffers_" in node.name
 
 
+def model_key(graph: fx.Graph) -> fx.Node | None:
+    """The graph's first parameter input: the kvtopo ops take it so that a session can tell
+    which model a call belongs to at run time (Dynamo reuses one compiled graph for every
+    instance of a module class, so a name fixed at compile time could not)."""
+    return next((n for n in graph.nodes if n.op == "placeholder" and _weight_placeholder(n)
+                 and isinstance(n.meta.get("example_value"), torch.nn.Parameter)), None)
+
+
 class ActivationSources:
     """Which non-weight graph inputs each node depends on (memoised over one graph)."""
 

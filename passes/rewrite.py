@@ -11,6 +11,7 @@ import torch.fx as fx
 
 import kvtopo.kernels.ops  # noqa: F401  (registers torch.ops.kvtopo.*)
 
+from .graph_utils import model_key
 from .site import AttentionSite
 
 
@@ -53,6 +54,7 @@ def _erase_dead_chain(graph: fx.Graph, node: fx.Node) -> None:
 def rewrite_mla_sites(gm: fx.GraphModule, sites) -> int:
     """Replace each MLA site with `kvtopo::mla_attention`; the per-head K/V it built become dead."""
     graph = gm.graph
+    key = model_key(graph)
     for mla in sites:
         site = mla.site
         with graph.inserting_before(site.output):
@@ -60,7 +62,7 @@ def rewrite_mla_sites(gm: fx.GraphModule, sites) -> int:
             new = graph.call_function(
                 torch.ops.kvtopo.mla_attention.default,
                 (site.query, mla.latent, mla.rope_key, mla.weight, mask, site.scale, site.is_causal, mla.layer,
-                 mla.nope_dim),
+                 mla.nope_dim, key),
             )
         new.meta.update({k: v for k, v in site.output.meta.items() if k in _KEPT_META})
         site.output.replace_all_uses_with(new)
@@ -77,12 +79,14 @@ def rewrite_mla_sites(gm: fx.GraphModule, sites) -> int:
 
 def rewrite_sites(gm: fx.GraphModule, sites: list[AttentionSite]) -> int:
     graph = gm.graph
+    key = model_key(graph)
     for site in sites:
         with graph.inserting_before(site.output):
             mask = _fold_masks(graph, site.masks)
             new = graph.call_function(
                 torch.ops.kvtopo.attention.default,
-                (site.query, site.key, site.value, mask, site.scale, site.is_causal, site.layer),
+                (site.query, site.key, site.value, mask, site.scale, site.is_causal, site.layer, site.window,
+                 site.softcap, key),
             )
         new.meta.update({k: v for k, v in site.output.meta.items() if k in _KEPT_META})
         site.output.replace_all_uses_with(new)

@@ -30,12 +30,17 @@ class AttentionSite:
     head_dim: int
     value_head_dim: int
     output: fx.Node
+    # Keys a query sees: itself and the `window - 1` before it (HF `sliding_window`); None: all.
+    window: int | None = None
+    # Logits are `softcap * tanh(logits / softcap)` before the mask and softmax (Gemma-2); None: not capped.
+    softcap: float | None = None
 
     def describe(self) -> str:
         kinds = "+".join(kind for _, kind in self.masks)
         mask = "causal" if self.is_causal else (f"{kinds} mask" if self.masks else "no mask")
+        extras = (f" window={self.window}" if self.window else "") + (f" softcap={self.softcap:g}" if self.softcap else "")
         return (f"{self.layer}: {self.pattern}, heads={self.heads} kv_heads={self.kv_heads} "
-                f"head_dim={self.head_dim} v_head_dim={self.value_head_dim} scale={self.scale:.4g} {mask}")
+                f"head_dim={self.head_dim} v_head_dim={self.value_head_dim} scale={self.scale:.4g} {mask}{extras}")
 
 
 @dataclass(frozen=True)

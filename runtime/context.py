@@ -6,6 +6,7 @@ graph inputs, so compiled graphs are the same inside and outside a session.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
@@ -32,3 +33,13 @@ def enter(session: "Session"):
 
 def leave(token) -> None:
     _active.reset(token)
+
+
+@contextmanager
+def suspended():
+    """Run without any active session (the model's own attention and cache, unchanged)."""
+    token = _active.set(None)
+    try:
+        yield
+    finally:
+        _active.reset(token)

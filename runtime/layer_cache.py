@@ -82,6 +82,7 @@ class Page:
     slot: int | None = None  # exact pool slot, while the page is stored exactly
     recent: RecentPage | None = None
     kept: int | None = None  # tokens this page contributed to the Mid segment
+    dropped: bool = False  # left a sliding window: no query can see it again, its slot is free
     mass: torch.Tensor | None = None  # [Hkv, tokens] accumulated attention mass (policies that track it)
 
 
@@ -97,6 +98,7 @@ class SequenceKV:
     mid_tokens: int = 0  # tokens of the pages that entered Mid, before eviction
     final_length: int = 0  # the length this sequence reaches when the current append ends
     planned: dict[int, torch.Tensor] = field(default_factory=dict)  # page index -> kept tokens [Hkv, keep]
+    dropped: int = 0  # tokens of the leading pages released because they left the sliding window
 
 
 @dataclass
@@ -115,11 +117,15 @@ class Segments:
 
 
 class LayerCache:
-    def __init__(self, config: Config, policy: Policy, shared_value_dim: int | None = None):
+    def __init__(self, config: Config, policy: Policy, shared_value_dim: int | None = None,
+                 window: int | None = None):
         """`shared_value_dim`: values are the first that many dims of the keys and are not
-        stored (MLA: the cached latent is both key and value)."""
+        stored (MLA: the cached latent is both key and value). `window`: a sliding-window
+        layer, whose queries see only the last `window` tokens: pages that leave the window go
+        back to the pool (the session gives such layers an exact policy)."""
         self.config = config
         self.shared_value_dim = shared_value_dim
+        self.window = window
         self.policy = policy
         self.plan = PhasePlan(config.page_size, config.sink_tokens, config.recent_tokens, config.protected_spans)
         self.mid_encoding = policy.mid_encoding()
@@ -197,6 +203,37 @@ class LayerCache:
             entry.length += take
             written += take
         entry.planned = {}
+        if self.window is not None:
+            self._drop_outside_window(entry)
+
+    def _drop_outside_window(self, entry: SequenceKV) -> None:
+        """Release the leading pages no later query can see: the next query is at index
+        `length` or later and sees keys after `length - window`."""
+        first_visible = entry.length - self.window + 1
+        P = self.config.page_size
+        for index, page in enumerate(entry.pages[:-1]):
+            if (index + 1) * P > first_visible:
+                break
+            if page.dropped:
+                continue
+            if page.slot is not None:
+                self.pool.release(page.slot)
+            page.slot, page.recent, page.dropped = None, None, True
+            entry.dropped += page.tokens
+        self._refresh_block_table(entry)
+
+    def first_held(self, seq: int) -> int:
+        """Index of the first token still held (tokens before it left a sliding window)."""
+        entry = self.sequences.get(seq)
+        return entry.dropped if entry else 0
+
+    def held_tokens(self, seq: int) -> int:
+        """Tokens whose keys/values are held in any form (not evicted, not out of the window)."""
+        entry = self.sequences.get(seq)
+        if entry is None:
+            return 0
+        evicted = sum(p.tokens - p.kept for p in entry.pages if p.kept is not None)
+        return entry.length - entry.dropped - evicted
 
     def _refresh_block_table(self, entry: SequenceKV) -> None:
         entry.block_table = torch.tensor([p.slot for p in entry.pages if p.slot is not None], dtype=torch.int32)
@@ -206,7 +243,7 @@ class LayerCache:
         count = len(entry.pages)
         for index in range(start, count):
             target = self.plan.phase(index, count)
-            if entry.pages[index].phase != target:
+            if entry.pages[index].phase != target and not entry.pages[index].dropped:
                 self._transition(entry, index, target)
         self._refresh_block_table(entry)
 

@@ -9,6 +9,8 @@ neither attended to nor stored.
 from __future__ import annotations
 
 from contextlib import contextmanager
+import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,9 @@ class CacheStats:
     tokens: tuple[int, ...]
     fp16_bytes: int
     budget_missed: bool = False  # some sequence-layer holds more than its budget right now
+    # Per layer, the tokens each sequence still holds in any form (a sliding-window layer: at
+    # most its window plus a page; an evicting policy: fewer than stored).
+    held_tokens: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def ratio_vs_fp16(self) -> float:
@@ -51,6 +56,7 @@ class Session:
         self._batch: int | None = None
         self._step_valid: torch.Tensor | None = None
         self._token = None
+        self._models: dict[int, tuple[weakref.ref, str]] = {}  # id(model key) -> (its ref, name)
         self.calls = 0
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -87,12 +93,20 @@ class Session:
             self._step_valid = None
 
     # -- the op's entry point -------------------------------------------------------------------
-    def attend(self, layer: str, query, key, value, attn_mask, scale: float,
-               shared_value_dim: int | None = None) -> torch.Tensor:
+    def attend(self, layer: str, query, key, value, attn_mask, scale: float, *, is_causal: bool = True,
+               window: int | None = None, softcap: float | None = None,
+               shared_value_dim: int | None = None, model_key: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of `query` over this layer's history and the new `key`/`value` chunk.
 
+        The session applies its own mask: causal over [history ; chunk], the sliding `window` if
+        the site has one, and the step's padding. `attn_mask` / `is_causal` are what the graph
+        asked for over the chunk; they are checked to say exactly that (see `_check_chunk_mask`),
+        so a mask the session cannot honour raises instead of being dropped.
+        `softcap`: logits are `softcap * tanh(logits / softcap)` (Gemma-2).
         `shared_value_dim`: the values are the first that many dims of the keys (MLA latents),
         so `value` is ignored and only the keys are stored.
+        `model_key`: a parameter of the calling model; its layers are stored as
+        '<model name>/<layer>', so two models in one session never share a store.
         """
         if not self.active:
             raise RuntimeError("kvtopo session used after it was closed")
@@ -108,12 +122,15 @@ class Session:
         if valid is not None and tuple(valid.shape) != (batch, chunk):
             raise ValueError(f"step validity has shape {tuple(valid.shape)}, the call has (batch, tokens)=({batch}, {chunk})")
         _check_pure_mask(layer, attn_mask)
+        _check_chunk_mask(layer, attn_mask, is_causal, window, valid, batch, chunk)
+        if model_key is not None:
+            layer = f"{self.model_name(model_key)}/{layer}"
         cache = self.layers.get(layer)
         if cache is None:
-            cache = self.layers[layer] = LayerCache(self.config, self.policy, shared_value_dim)
-        elif cache.shared_value_dim != shared_value_dim:
+            cache = self.layers[layer] = self._new_layer(shared_value_dim, window)
+        elif cache.shared_value_dim != shared_value_dim or cache.window != window:
             raise ValueError(f"layer {layer!r} was cached with shared_value_dim={cache.shared_value_dim}, "
-                             f"now called with {shared_value_dim}")
+                             f"window={cache.window}; now called with {shared_value_dim}, {window}")
         cache.scale = scale
         if shared_value_dim:
             value = key[..., :shared_value_dim]
@@ -125,17 +142,42 @@ class Session:
             q, k, v = query[b], key[b], value[b]
             if rows is not None:
                 q, k, v = q[:, rows], k[:, rows], v[:, rows]
-            out_b = self._attend_one(cache, b, q, k, v, scale)
+            out_b = self._attend_one(cache, b, q, k, v, scale, softcap)
             if rows is None:
                 out[b] = out_b
             else:
                 out[b, :, rows] = out_b
         return out
 
-    def _attend_one(self, cache: LayerCache, seq: int, q, k, v, scale: float) -> torch.Tensor:
+    def _new_layer(self, shared_value_dim: int | None, window: int | None) -> LayerCache:
+        """A layer's store. A windowed layer only ever needs its last `window` tokens, so it keeps
+        them exactly (the compression policy applies to the global layers) and frees the rest."""
+        if window is None:
+            return LayerCache(self.config, self.policy, shared_value_dim)
+        exact = Config.lossless(page_size=self.config.page_size, max_pages=self.config.max_pages)
+        return LayerCache(exact, make_policy(exact), shared_value_dim, window=window)
+
+    def model_name(self, model_key: torch.Tensor) -> str:
+        """'model0', 'model1', ... in the order the session first sees each model's key parameter."""
+        entry = self._models.get(id(model_key))
+        if entry is None or entry[0]() is not model_key:  # new, or a freed tensor's id reused
+            entry = self._models[id(model_key)] = (weakref.ref(model_key), f"model{len(self._models)}")
+        return entry[1]
+
+    def model_length(self, model_key: torch.Tensor) -> int:
+        """Tokens stored for the model `model_key` belongs to (the longest sequence), as HF's
+        cache reports its length."""
+        prefix = self.model_name(model_key) + "/"
+        for name, cache in self.layers.items():
+            if name.startswith(prefix):
+                return max((cache.length(seq) for seq in cache.sequences), default=0)
+        return 0
+
+    def _attend_one(self, cache: LayerCache, seq: int, q, k, v, scale: float, softcap: float | None) -> torch.Tensor:
         """Attend q [Hq, T, d] over [stored history ; new chunk], then store the chunk."""
-        tracks_mass = self.policy.tracks_attention_mass
-        if q.shape[1] == 1 and cache.length(seq) and not tracks_mass and not cache.shared_value_dim:
+        tracks_mass = cache.policy.tracks_attention_mass
+        if q.shape[1] == 1 and cache.length(seq) and not tracks_mass and not cache.shared_value_dim \
+                and softcap is None and cache.window is None:
             # Decode step: read the stored codes directly (C kernel on CPU, Triton on CUDA).
             out = attend_cache(cache, seq, q, k, v, scale)
             cache.observe(seq, q, k.shape[0])
@@ -146,57 +188,62 @@ class Session:
             past = segments.exact if segments is not None else None
             keys = k if past is None else torch.cat([past[0], k], dim=1)
             values = v if past is None else torch.cat([past[1], v], dim=1)
-            mask = chunk_causal_mask(keys.shape[1] - k.shape[1], q.shape[1], device=q.device)
-            out = grouped_attention(q[None], keys[None], values[None], mask, scale)[0]
+            mask = chunk_causal_mask(keys.shape[1] - k.shape[1], q.shape[1], device=q.device, window=cache.window)
+            out = grouped_attention(q[None], keys[None], values[None], mask, scale, softcap=softcap)[0]
         else:
             causal = chunk_causal_mask(0, q.shape[1], device=q.device)
-            parts = _history_partials(q, segments, scale) + [partial_dense(q, k, v, scale, causal)]
+            parts = _history_partials(q, segments, scale, softcap) + [partial_dense(q, k, v, scale, causal, softcap)]
             out = merge_partials(parts).to(q.dtype)
             if tracks_mass:
-                _accumulate_mass(cache, seq, q, parts, scale)
+                _accumulate_mass(cache, seq, q, parts, scale, softcap)
         cache.observe(seq, q, k.shape[0])
         cache.append(seq, k, v[..., :0] if cache.shared_value_dim else v)
         return out
 
     # -- accounting ------------------------------------------------------------------------------
     def stats(self) -> CacheStats:
-        per_layer, per_kind, fp16, missed = {}, {}, 0, False
+        per_layer, per_kind, fp16, missed, held = {}, {}, 0, False, {}
         tokens: list[int] = []
         for name, cache in self.layers.items():
             kinds = cache.nbytes()
             per_layer[name] = sum(kinds.values())
             for kind, n in kinds.items():
                 per_kind[kind] = per_kind.get(kind, 0) + n
+            held[name] = tuple(cache.held_tokens(seq) for seq in range(self._batch or 0))
             if cache.pool is not None:
                 heads, kd, vd = cache.pool.keys.shape[1], cache.pool.keys.shape[-1], cache.pool.values.shape[-1]
-                fp16 += sum(e.length for e in cache.sequences.values()) * heads * (kd + vd) * 2
+                # An fp16 cache of a windowed layer holds only its window too (what HF keeps).
+                stored = sum(e.length - e.dropped for e in cache.sequences.values())
+                fp16 += stored * heads * (kd + vd) * 2
             missed |= any(cache.over_budget(seq) for seq in cache.sequences)
         if self.layers:
             first = next(iter(self.layers.values()))
             tokens = [first.length(s) for s in range(self._batch or 0)]
-        return CacheStats(sum(per_layer.values()), per_layer, per_kind, tuple(tokens), fp16, missed)
+        return CacheStats(sum(per_layer.values()), per_layer, per_kind, tuple(tokens), fp16, missed, held)
 
 
-def _history_partials(q, segments: Segments, scale: float) -> list:
+def _history_partials(q, segments: Segments, scale: float, softcap: float | None) -> list:
     parts = []
     if segments.exact is not None:
-        parts.append(partial_dense(q, *segments.exact, scale))
+        parts.append(partial_dense(q, *segments.exact, scale, softcap=softcap))
     if segments.recent is not None:
-        parts.append(partial_dense(q, *segments.recent, scale))
+        parts.append(partial_dense(q, *segments.recent, scale, softcap=softcap))
     if segments.mid is not None:
         attend = partial_lowrank if segments.mid_projected else partial_dense
-        parts.append(attend(q, *segments.mid, scale))
-    parts += [partial_lowrank(q, *epoch, scale) for epoch in segments.retired]
+        parts.append(attend(q, *segments.mid, scale, softcap=softcap))
+    parts += [partial_lowrank(q, *epoch, scale, softcap=softcap) for epoch in segments.retired]
     return parts
 
 
-def _accumulate_mass(cache: LayerCache, seq: int, q, parts, scale: float) -> None:
+def _accumulate_mass(cache: LayerCache, seq: int, q, parts, scale: float, softcap: float | None) -> None:
     """Add the softmax mass this step's queries gave each not-yet-Mid token (H2O-style)."""
     lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)  # [Hq, T]
     for page in cache.unsettled_pages(seq):
         keys = cache.page_keys(page)
         heads = keys.shape[0]
         logits = scale * (q.float().reshape(heads, -1, keys.shape[-1]) @ keys.float().transpose(1, 2))
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
         mass = torch.exp(logits - lse.reshape(heads, -1, 1)).sum(1)  # [Hkv, n]
         if page.mass is None or page.mass.shape[1] < mass.shape[1]:
             grown = mass.new_zeros(mass.shape)
@@ -219,3 +266,41 @@ def _check_pure_mask(layer: str, attn_mask: torch.Tensor | None) -> None:
             f"attention site {layer!r} adds a float tensor that is not a 0/-inf mask (a positional bias?); "
             "a kvtopo session cannot carry it into the cached history"
         )
+
+
+def _check_chunk_mask(layer: str, attn_mask, is_causal: bool, window: int | None, valid, batch: int,
+                      chunk: int) -> None:
+    """The graph's mask over the new chunk must be exactly what the session applies to it: causal,
+    cut to the site's sliding window, with padding keys hidden. Anything else (bidirectional
+    attention, a window the passes did not read, a prefix-LM or document mask) raises here: the
+    session would otherwise attend over keys the model never meant to see, or hide ones it did.
+    Only rows of real (non-padding) queries are compared; a mask over more keys than the chunk
+    (e.g. one that includes a history the graph holds itself) is refused too."""
+    if attn_mask is None:
+        if not is_causal and chunk > 1:
+            raise ValueError(f"attention site {layer!r} is not causal (no mask, is_causal=False) over a chunk of "
+                             f"{chunk} tokens: a kvtopo session only attends causally over the cache")
+        return
+    if attn_mask.shape[-1] != chunk or (attn_mask.dim() >= 2 and attn_mask.shape[-2] not in (1, chunk)):
+        raise ValueError(f"attention site {layer!r} has a mask of shape {tuple(attn_mask.shape)} but the call has "
+                         f"{chunk} new tokens: a session can only honour a [..., {chunk}, {chunk}] mask over the chunk")
+    shown = attn_mask if attn_mask.dtype == torch.bool else attn_mask > -1e4
+    shown = shown.reshape((1,) * (4 - shown.dim()) + tuple(shown.shape)).expand(batch, -1, chunk, chunk)
+    expected = chunk_causal_mask(0, chunk, device=shown.device, window=window)
+    if is_causal:
+        shown = shown & expected
+    expected = expected.expand(batch, 1, chunk, chunk)
+    if valid is not None:
+        real = valid.to(shown.device)
+        expected = expected & real[:, None, None, :]
+        differs = (shown != expected) & real[:, None, :, None]
+    else:
+        differs = shown != expected
+    if bool(differs.any()):
+        b, h, t, j = (int(i) for i in differs.nonzero()[0])
+        what = "hides" if bool(expected[b, 0, t, j]) else "shows"
+        raise ValueError(
+            f"attention site {layer!r}: its mask {what} key {j} for query {t} of the chunk (batch row {b}), which "
+            f"a causal{f' window-{window}' if window else ''} mask with padding does not; a kvtopo session cannot "
+            "carry this mask into the cached history (non-causal, a window the passes did not recognise, or "
+            "another mask pattern). Leave this model uncompiled or report the pattern.")

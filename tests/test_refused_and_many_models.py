@@ -1,0 +1,89 @@
+"""What a session does with attention it cannot rewrite, and with several compiled models."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kvtopo
+from kvtopo.backend import RefusedAttention
+from kvtopo.models import zoo
+from kvtopo.models.blocks import SDPACausal, _Projections
+
+
+class SoftcapAroundMask(_Projections):
+    """Refused: the causal mask is added inside the softcap's tanh."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        t = x.shape[1]
+        scores = torch.matmul(q, self.repeat_kv(k).transpose(2, 3)) / math.sqrt(self.head_dim)
+        scores = torch.tanh((scores + torch.full((t, t), -1e9).triu(1)) / 3.0) * 3.0
+        return self.out(torch.matmul(F.softmax(scores, dim=-1), self.repeat_kv(v)))
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = SDPACausal(seed=1), SoftcapAroundMask(seed=2)
+
+    def forward(self, x):
+        return self.second(x + self.first(x))
+
+
+def test_a_partly_refused_model_raises_in_a_session_before_any_compute():
+    model = TwoLayers().eval()
+    x = torch.randn(1, 9, 32)
+    report = kvtopo.inspect(model, x)
+    assert len(report.sites) == 1 and len(report.refusals) == 1
+    compiled = torch.compile(model, backend="kvtopo", options={"inductor": False})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=0)  # unchanged outside
+        with kvtopo.session(kvtopo.Config.lossless()) as s:
+            with pytest.raises(RefusedAttention, match="second.*inside the logit softcap"):
+                compiled(x)
+            assert s.calls == 0 and s.stats().tokens == ()
+
+
+def _greedy_recompute(model, ids, steps):
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids
+
+
+def test_a_model_with_every_site_refused_generates_uncompressed_with_a_warning():
+    """gpt-oss's attention sinks are not a pattern the passes accept: nothing is rewritten."""
+    model = zoo.build("gpt-oss", attn_implementation="eager")
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(6))
+    expected = _greedy_recompute(model, ids, 24)
+    report = kvtopo.inspect(model, ids[:, :8], use_cache=False)
+    assert not report.sites and len(report.refusals) == zoo.num_attention_layers(model)
+    compiled = kvtopo.compile(model, inductor=False)
+    with pytest.warns(UserWarning, match="nothing is compressed"):
+        tokens = kvtopo.generate(compiled, ids, 24, config=kvtopo.Config.lossless())
+    assert torch.equal(tokens, expected)
+
+
+def test_two_models_in_one_session_keep_separate_stores():
+    """A draft and a target model (same architecture, same layer names) in one session."""
+    draft, target = zoo.build("llama", seed=1), zoo.build("llama", seed=2)
+    ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = {name: m(ids, use_cache=False).logits for name, m in (("draft", draft), ("target", target))}
+    compiled = {"draft": kvtopo.compile(draft, inductor=False), "target": kvtopo.compile(target, inductor=False)}
+    got = {"draft": [], "target": []}
+    cuts = [(0, 20), (20, 21), (21, 22), (22, 50)]
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless(page_size=8)) as s:
+        for a, b in cuts:
+            for name, model in compiled.items():  # interleaved: each step of one, then of the other
+                out = model(input_ids=ids[:, a:b], position_ids=torch.arange(a, b)[None], use_cache=False)
+                got[name].append(out.logits)
+        stats = s.stats()
+    for name in got:
+        torch.testing.assert_close(torch.cat(got[name], 1), expected[name], atol=1e-4, rtol=0)
+    models = {layer.split("/")[0] for layer in stats.per_layer}
+    assert len(models) == 2 and len(stats.per_layer) == 2 * zoo.num_attention_layers(draft)
+    assert all(held == (50,) for held in stats.held_tokens.values())
