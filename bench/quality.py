@@ -314,9 +314,9 @@ def capture_qk(model, ids) -> dict:
     with kvtopo.session(config) as s:
         attend = s.attend
 
-        def spy(layer, query, key, value, attn_mask, scale):
+        def spy(layer, query, key, value, attn_mask, scale, **kwargs):
             captured[layer] = (query[0].detach().float(), key[0].detach().float(), scale)
-            return attend(layer, query, key, value, attn_mask, scale)
+            return attend(layer, query, key, value, attn_mask, scale, **kwargs)
 
         s.attend = spy
         kvtopo.generate(model, ids, 1, progress=False)
