@@ -116,3 +116,4 @@ DECOMPOSITIONS = {
 }
 
 from . import effects  # noqa: E402,F401  (the ops append to the session store: registered effectful there)
+from . import positions  # noqa: E402,F401  (kvtopo::positions: RoPE positions continued from the session store)

@@ -11,6 +11,7 @@ import dataclasses
 
 from .find_eager import find_eager_sites
 from .find_mla import find_mla_sites
+from .find_positions import find_position_sites, rewrite_position_sites
 from .find_sdpa import find_sdpa_sites
 from .rewrite import rewrite_mla_sites, rewrite_sites
 from .site import Refusal
@@ -23,12 +24,19 @@ PASSES = (
     (find_eager_sites, rewrite_sites),
 )
 
+# (finder, rewriter) pairs run after the attention passes over the rewritten graph; what they find
+# are not attention sites (finder(gm) -> found, rewriter(gm, found) -> how many were rewritten).
+GRAPH_PASSES = (
+    (find_position_sites, rewrite_position_sites),  # positions computed from 0 continue from the store
+)
+
 
 @dataclass
 class PassReport:
     sites: list = field(default_factory=list)  # AttentionSite or MLASite
     refusals: list[Refusal] = field(default_factory=list)
     rewritten: int = 0
+    positions: int = 0  # position computations routed through kvtopo.positions (find_positions)
     seconds: float = 0.0
 
     def format(self) -> str:
@@ -62,5 +70,8 @@ def run_passes(gm: fx.GraphModule) -> PassReport:
         report.rewritten += rewriter(gm, sites) if sites else 0
         report.sites += sites
         report.refusals += refusals
+    for finder, rewriter in GRAPH_PASSES:
+        found = finder(gm)
+        report.positions += rewriter(gm, found) if found else 0
     report.seconds = time.perf_counter() - start
     return report

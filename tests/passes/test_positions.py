@@ -1,0 +1,163 @@
+"""A compiled model called in a session without position_ids continues RoPE positions from its store."""
+
+import pytest
+import torch
+
+import kvtopo
+from kvtopo.backend import REPORTS, kvtopo_backend
+from kvtopo.models import zoo
+
+POSITIONS = torch.ops.kvtopo.positions.default
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _ids(seed=1, length=71):
+    return torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _full_logits(model, ids):
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("inductor", [False, True])
+@pytest.mark.parametrize("impl", zoo.ATTN_IMPLEMENTATIONS)
+def test_chunks_without_position_ids_continue_from_the_store(impl, inductor):
+    model = zoo.build("llama", impl)
+    ids = _ids()
+    expected = _full_logits(model, ids)
+    kvtopo.compile(model, inductor=inductor)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
+        first = model(input_ids=ids[:, :40]).logits
+        second = model(input_ids=ids[:, 40:70]).logits
+        step = model(input_ids=ids[:, 70:71]).logits
+        assert s.stats().tokens == (71,)
+    torch.testing.assert_close(first, expected[:, :40], atol=1e-4, rtol=0)
+    torch.testing.assert_close(second, expected[:, 40:70], atol=1e-4, rtol=0)
+    torch.testing.assert_close(step, expected[:, 70:71], atol=1e-4, rtol=0)
+
+
+def test_chunks_without_a_cache_object_at_all():
+    """use_cache=False: HF builds no DynamicCache and checks the positions for packed sequences."""
+    model = zoo.build("llama", "eager")
+    ids = _ids(seed=2, length=50)
+    expected = _full_logits(model, ids)
+    kvtopo.compile(model, inductor=False)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
+        model(input_ids=ids[:, :20], use_cache=False)
+        second = model(input_ids=ids[:, 20:50], use_cache=False).logits
+    torch.testing.assert_close(second, expected[:, 20:50], atol=1e-4, rtol=0)
+
+
+def test_two_models_in_one_session_keep_their_own_offsets():
+    a, b = zoo.build("llama", seed=0), zoo.build("llama", seed=1)
+    ids_a, ids_b = _ids(seed=3, length=60), _ids(seed=4, length=45)
+    expected_a, expected_b = _full_logits(a, ids_a), _full_logits(b, ids_b)
+    assert not torch.allclose(expected_a[:, :45], expected_b, atol=1e-3)
+    kvtopo.compile(a, inductor=False)
+    kvtopo.compile(b, inductor=False)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
+        got_a = [a(input_ids=ids_a[:, :25]).logits]
+        got_b = [b(input_ids=ids_b[:, :10]).logits]
+        got_a.append(a(input_ids=ids_a[:, 25:59]).logits)
+        got_b.append(b(input_ids=ids_b[:, 10:44]).logits)
+        got_b.append(b(input_ids=ids_b[:, 44:45]).logits)
+        got_a.append(a(input_ids=ids_a[:, 59:60]).logits)
+        layers = sorted(s.stats().per_layer)
+    torch.testing.assert_close(torch.cat(got_a, 1), expected_a, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat(got_b, 1), expected_b, atol=1e-4, rtol=0)
+    tags = {layer.split("/", 1)[0] for layer in layers}
+    assert len(tags) == 2 and len(layers) == 4, layers
+    for tag in tags:
+        assert sorted(l.split("/", 1)[1] for l in layers if l.startswith(tag + "/")) == \
+            ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+
+
+def _graphs(model, **kwargs):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        compiled = kvtopo_backend(gm, example_inputs, options={"inductor": False})
+        graphs.append(gm)
+        return compiled
+
+    REPORTS.clear()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(**kwargs)
+    return graphs
+
+
+def _count(graphs, target):
+    return sum(1 for g in graphs for n in g.graph.nodes if n.op == "call_function" and n.target == target)
+
+
+def test_one_positions_op_only_when_the_graph_computes_positions_from_zero():
+    model = zoo.build("llama")
+    ids = _ids(length=12)
+    graphs = _graphs(model, input_ids=ids)
+    assert len(graphs) == 1
+    assert _count(graphs, POSITIONS) == 1
+    assert _count(graphs, torch.ops.kvtopo.attention.default) == 2
+    assert [r.positions for r in REPORTS] == [1]
+    assert len(REPORTS[0].sites) == 2  # positions are not attention sites
+    positions = next(n for n in graphs[0].graph.nodes if n.target == POSITIONS)
+    attention = next(n for n in graphs[0].graph.nodes if n.target == torch.ops.kvtopo.attention.default)
+    assert positions.args[1] is attention.args[-1] and positions.args[1].op == "placeholder"  # the model key
+
+    torch._dynamo.reset()
+    graphs = _graphs(model, input_ids=ids, position_ids=torch.arange(12)[None])
+    assert _count(graphs, POSITIONS) == 0
+    assert _count(graphs, torch.ops.kvtopo.attention.default) == 2
+    assert [r.positions for r in REPORTS] == [0]
+
+
+def test_positions_op_is_identity_outside_a_session_and_shifts_inside():
+    x = torch.arange(5)
+    model, other = zoo.build("llama"), zoo.build("llama", seed=1)
+    key, other_key = next(model.parameters()), next(other.parameters())
+    assert torch.equal(POSITIONS(x, key), x)
+    kvtopo.compile(model, inductor=False)
+    ids = _ids(length=9)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
+        model(input_ids=ids)
+        assert torch.equal(POSITIONS(x, key), x + 9)
+        assert torch.equal(POSITIONS(x, other_key), x)  # another model: nothing stored for it
+    assert torch.equal(POSITIONS(x, key), x)
+
+
+@pytest.mark.parametrize("inductor", [False, True])
+def test_compiled_model_outside_a_session_is_unchanged(inductor):
+    model = zoo.build("llama")
+    ids = _ids(length=30)
+    expected, expected_middle = _full_logits(model, ids), _full_logits(model, ids[:, 10:20])
+    kvtopo.compile(model, inductor=inductor)
+    with torch.no_grad():
+        for _ in range(2):  # no state carries over between calls outside a session
+            torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(model(input_ids=ids[:, 10:20]).logits, expected_middle, atol=1e-5, rtol=0)
+
+
+class _PositionsModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        return torch.ops.kvtopo.positions(x, self.weight) * 2
+
+
+def test_positions_op_exports_and_decomposes_to_identity():
+    from kvtopo.kernels.ops import DECOMPOSITIONS
+
+    x = torch.arange(6)
+    program = torch.export.export(_PositionsModule(), (x,))
+    assert any(n.target is POSITIONS for n in program.graph.nodes)
+    decomposed = program.run_decompositions(DECOMPOSITIONS)
+    assert not any("kvtopo" in str(n.target) for n in decomposed.graph.nodes)
+    assert torch.equal(decomposed.module()(x), x * 2)
