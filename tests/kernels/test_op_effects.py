@@ -41,7 +41,8 @@ def attends(monkeypatch):
     attend = Session.attend
 
     def recording(self, layer, *args, **kwargs):
-        cache = self.layers.get(layer)
+        # the session stores the op's layer under '<model>/<layer>'
+        cache = next((c for name, c in self.layers.items() if _short(name) == layer), None)
         calls.append((_short(layer), cache.length(0) if cache is not None else 0))
         return attend(self, layer, *args, **kwargs)
 
