@@ -8,10 +8,13 @@ float32 every step. The fast path instead reads the codes as they are stored:
 * ``DecodeSegments`` gathers, per step, the tensors the runtime already holds: exact K/V
   (Initial/Terminal pages plus the step's new token), Recent codes with their statistics, Mid
   row codes with their per-page statistics, and the head bases. Nothing is decoded.
-* ``decode_attention(q [Hq, d], segs, scale)`` -> out [Hq, dv] dispatches: CUDA tensors go to
-  the Triton kernels (kernels/triton_decode.py); CPU tensors go to ``cpu_decode_attention``.
-* ``attend_cache(cache, seq, q, k_new, v_new, scale)`` is what ``Session._attend_one`` can call
-  for decode steps (T == 1): same semantics (history + the new token, exactly merged).
+* ``decode_attention(q [Hq, d], segs, scale, softcap=None)`` -> out [Hq, dv] dispatches: CUDA
+  tensors go to the Triton kernels (kernels/triton_decode.py); CPU tensors go to
+  ``cpu_decode_attention``.
+* ``attend_cache(cache, seq, q, k_new, v_new, scale, softcap=None)`` is what
+  ``Session._attend_one`` calls for decode steps (T == 1): same semantics (history + the new
+  token, exactly merged; ``softcap``: every logit becomes ``softcap * tanh(logit / softcap)``
+  before the softmax, Gemma-2's logit softcapping, in every segment and every backend).
 
 CPU path: the Mid segment (where the bytes are) runs in a small C kernel compiled once with
 the system C compiler (``-O3 -march=native -ffast-math``, cached under ~/.cache/kvtopo) and
@@ -277,14 +280,16 @@ def decode_segments(cache, seq: int, k_new: Tensor | None = None, v_new: Tensor 
     return DecodeSegments(exact, recent, mid, other, cache.mid_encoding.project, retired)
 
 
-def attend_cache(cache, seq: int, q: Tensor, k_new: Tensor, v_new: Tensor, scale: float) -> Tensor:
+def attend_cache(cache, seq: int, q: Tensor, k_new: Tensor, v_new: Tensor, scale: float,
+                 softcap: float | None = None) -> Tensor:
     """Decode step of ``Session._attend_one``: q [Hq, 1, d] over the stored history of ``seq``
-    plus k_new/v_new [Hkv, 1, d]; returns [Hq, 1, dv] in q's dtype. Does not store the token
-    (the caller still calls ``cache.observe``/``cache.append``)."""
+    plus k_new/v_new [Hkv, 1, d]; returns [Hq, 1, dv] in q's dtype. ``softcap``: logits are
+    ``softcap * tanh(logits / softcap)`` (None: uncapped). Does not store the token (the caller
+    still calls ``cache.observe``/``cache.append``)."""
     if q.shape[1] != 1:
         raise ValueError(f"attend_cache is for decode steps (one query token), got {q.shape[1]}")
     segs = decode_segments(cache, seq, k_new, v_new)
-    return decode_attention(q[:, 0], segs, scale)[:, None].to(q.dtype)
+    return decode_attention(q[:, 0], segs, scale, softcap=softcap)[:, None].to(q.dtype)
 
 
 # -- reference -------------------------------------------------------------------------------
@@ -312,67 +317,81 @@ def explicit_kv(segs: DecodeSegments, dtype=torch.float64) -> tuple[Tensor, Tens
     return torch.cat(ks, 1), torch.cat(vs, 1)
 
 
-def reference_decode(q: Tensor, segs: DecodeSegments, scale: float, dtype=torch.float64) -> Tensor:
+def reference_decode(q: Tensor, segs: DecodeSegments, scale: float, dtype=torch.float64,
+                     softcap: float | None = None) -> Tensor:
     """Ground truth: every segment decoded to explicit K/V, one softmax, in ``dtype``."""
     k, v = explicit_kv(segs, dtype)
     hkv = k.shape[0]
     qg = q.to(dtype).reshape(hkv, -1, q.shape[-1])
-    p = torch.softmax(scale * qg @ k.transpose(1, 2), -1)
+    logits = scale * qg @ k.transpose(1, 2)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    p = torch.softmax(logits, -1)
     return (p @ v).reshape(q.shape[0], -1)
 
 
 # -- dispatch --------------------------------------------------------------------------------
 
 
-def decode_attention(q: Tensor, segs: DecodeSegments, scale: float, out: Tensor | None = None) -> Tensor:
+def decode_attention(q: Tensor, segs: DecodeSegments, scale: float, out: Tensor | None = None,
+                     softcap: float | None = None) -> Tensor:
     """Attention of q [Hq, d] (one token) over all segments -> [Hq, dv] float32.
 
+    ``softcap``: logits are ``softcap * tanh(logits / softcap)`` before the softmax (None: not).
     CUDA tensors run the Triton kernels; CPU tensors the fused C kernel (or torch fallback)."""
+    _check_softcap(softcap)
     if q.is_cuda:
         from .triton_decode import triton_decode_attention
 
-        return triton_decode_attention(q, segs, scale, out=out)
-    result = cpu_decode_attention(q, segs, scale)
+        return triton_decode_attention(q, segs, scale, out=out, softcap=softcap)
+    result = cpu_decode_attention(q, segs, scale, softcap=softcap)
     if out is not None:
         out.copy_(result)
         return out
     return result
 
 
+def _check_softcap(softcap: float | None) -> None:
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive (or None), got {softcap}")
+
+
 # -- CPU path --------------------------------------------------------------------------------
 
 
-def _dense_partial(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def _dense_partial(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None = None) -> tuple[Tensor, Tensor]:
     """(out [Hq, dv], lse [Hq]) of q [Hq, d] over k [Hkv, n, d], v [Hkv, n, dv], float32."""
-    out, lse = partial_dense(q[:, None], k, v, scale)
+    out, lse = partial_dense(q[:, None], k, v, scale, softcap=softcap)
     return out[:, 0], lse[:, 0]
 
 
-def cpu_decode_attention(q: Tensor, segs: DecodeSegments, scale: float) -> Tensor:
+def cpu_decode_attention(q: Tensor, segs: DecodeSegments, scale: float, softcap: float | None = None) -> Tensor:
+    _check_softcap(softcap)
     parts = []
     if segs.exact is not None and segs.exact[0].shape[1]:
-        parts.append(_dense_partial(q, *segs.exact, scale))
+        parts.append(_dense_partial(q, *segs.exact, scale, softcap))
     if segs.recent is not None and segs.recent.tokens:
-        parts.append(_dense_partial(q, *segs.recent.decode(), scale))
+        parts.append(_dense_partial(q, *segs.recent.decode(), scale, softcap))
     if segs.mid is not None and segs.mid.tokens:
-        parts.append(mid_partial_cpu(q, segs.mid, scale))
+        parts.append(mid_partial_cpu(q, segs.mid, scale, softcap))
     elif segs.mid_other is not None:
         attend = partial_lowrank if segs.mid_other_projected else partial_dense
-        out, lse = attend(q[:, None], *segs.mid_other, scale)
+        out, lse = attend(q[:, None], *segs.mid_other, scale, softcap=softcap)
         parts.append((out[:, 0], lse[:, 0]))
     for epoch in segs.retired:
         if isinstance(epoch, MidCodes):
-            parts.append(mid_partial_cpu(q, epoch, scale))
+            parts.append(mid_partial_cpu(q, epoch, scale, softcap))
         else:
-            out, lse = partial_lowrank(q[:, None], *epoch, scale)
+            out, lse = partial_lowrank(q[:, None], *epoch, scale, softcap=softcap)
             parts.append((out[:, 0], lse[:, 0]))
     if not parts:
         raise ValueError("decode attention over an empty history")
     return merge_partials(parts)
 
 
-def mid_partial_cpu(q: Tensor, mid: MidCodes, scale: float) -> tuple[Tensor, Tensor]:
-    """(out [Hq, dv], lse [Hq]) of q [Hq, d] over a projected, quantized Mid segment."""
+def mid_partial_cpu(q: Tensor, mid: MidCodes, scale: float, softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """(out [Hq, dv], lse [Hq]) of q [Hq, d] over a projected, quantized Mid segment
+    (``softcap``: capped logits; passed to C as a float, 0 meaning none)."""
     lib = _library()
     hkv, dk, rk = mid.k_vectors.shape
     dv, rv = mid.v_vectors.shape[1:]
@@ -383,7 +402,7 @@ def mid_partial_cpu(q: Tensor, mid: MidCodes, scale: float) -> tuple[Tensor, Ten
     qb = (scale * (qg @ mid.k_mean[..., None]))[..., 0].contiguous()  # [Hkv, G]
     if lib is None:
         keys, values = mid.decode()
-        out, lse = partial_lowrank(q[:, None], keys, values, scale)
+        out, lse = partial_lowrank(q[:, None], keys, values, scale, softcap=softcap)
         return out[:, 0], lse[:, 0]
     n = mid.tokens
     threads = torch.get_num_threads()
@@ -399,7 +418,8 @@ def mid_partial_cpu(q: Tensor, mid: MidCodes, scale: float) -> tuple[Tensor, Ten
             p(t[10]), p(coef), p(lse))
     tasks = splits
     bounds = [tasks * i // threads for i in range(threads + 1)]
-    call = lambda a, b: lib.kvtopo_mid_decode(p(qp), p(qb), hkv, g, rk, rv, n, splits, a, b, *args)  # noqa: E731
+    cap = ctypes.c_float(0.0 if softcap is None else float(softcap))
+    call = lambda a, b: lib.kvtopo_mid_decode(p(qp), p(qb), hkv, g, rk, rv, n, splits, a, b, cap, *args)  # noqa: E731
     if threads == 1 or tasks == 1:
         call(0, tasks)
     else:  # ctypes drops the GIL during the call: the worker threads run the C code in parallel
@@ -454,10 +474,12 @@ static inline void unpack_row(const uint8_t *row, int C, int bits, float *u) {
    the weighted value codes. Rows go 4 at a time (register blocking: each query/accumulator
    element loaded once per 4 rows); a block never crosses a page (rows past its end get zero
    codes and zero weight). Writes coef [S, H, G, RV] (normalised within the split, zero beyond
-   each head's rank) and lse [S, H, G] (-inf and 0 for an empty split). */
+   each head's rank) and lse [S, H, G] (-inf and 0 for an empty split).
+   cap > 0: every logit becomes cap * tanh(logit / cap) (logit softcapping) as soon as it is
+   computed, before the max and the softmax; cap == 0: logits are used as they are. */
 #define RB 4
 void kvtopo_mid_decode(const float *qp, const float *qb, int H, int G, int RK, int RV, int N, int S,
-                       int s0, int s1,
+                       int s0, int s1, float cap,
                        const uint8_t *krows, int kbytes, const float *kscale, const float *koff, int kC,
                        const int *kstarts, const int *kranks, int kbits,
                        const uint8_t *vrows, int vbytes, const float *vscale, const float *voff, int vC,
@@ -526,6 +548,8 @@ void kvtopo_mid_decode(const float *qp, const float *qb, int H, int G, int RK, i
                     lg[hg] = bb + d0; lg[HG + hg] = bb + d1; lg[2 * HG + hg] = bb + d2; lg[3 * HG + hg] = bb + d3;
                 }
             }
+            if (cap > 0.f)
+                for (int i = 0; i < nb * HG; ++i) lg[i] = cap * tanhf(lg[i] / cap);
             for (int i = 0; i < nb; ++i)
                 for (int j = 0; j < HG; ++j) m[j] = lg[i * HG + j] > m[j] ? lg[i * HG + j] : m[j];
             n += nb;
@@ -630,7 +654,7 @@ def _library():
                     os.replace(built, so)
             lib = ctypes.CDLL(str(so))
             i, f = ctypes.c_int, ctypes.c_void_p
-            lib.kvtopo_mid_decode.argtypes = [f, f, i, i, i, i, i, i, i, i,
+            lib.kvtopo_mid_decode.argtypes = [f, f, i, i, i, i, i, i, i, i, ctypes.c_float,
                                               f, i, f, f, i, f, f, i,
                                               f, i, f, f, i, f, f, i,
                                               f, f, f]

@@ -1,6 +1,7 @@
 """Triton split-K decode attention over kvtopo's mixed segments (one query token per sequence).
 
-Entry: ``triton_decode_attention(q [Hq, d], segs: DecodeSegments, scale, out=None) -> [Hq, dv]``
+Entry: ``triton_decode_attention(q [Hq, d], segs: DecodeSegments, scale, out=None, softcap=None)
+-> [Hq, dv]``
 (``kernels.fast_decode.decode_attention`` dispatches CUDA tensors here). The segments are what
 the runtime stores (see ``fast_decode.DecodeSegments``):
 
@@ -19,6 +20,13 @@ accumulated in the coefficient domain (``p @ c_v``) and projected back (``@ B_v^
 once per split on the host side of the kernel (a [G, Rv] x [Rv, dv] product per split). Each
 split writes its normalised output and log-sum-exp (an empty split writes 0 and -inf); all
 splits of all segments are merged exactly by log-sum-exp.
+
+Logit softcapping (Gemma-2, ``softcap``): each logit becomes ``cap * tanh(logit / cap)`` right
+after its dot product, before the mask and the running max (``CAPPED`` is a constexpr, so the
+uncapped kernels are unchanged). Triton 3.9 has no ``tl.math.tanh`` and the interpreter cannot
+run libdevice's, so ``_tanh`` builds it from ``tl.exp``: ``sign(x) (1 - e) / (1 + e)``, e =
+exp(-2|x|) in (0, 1], which never overflows; its absolute error is a few float32 ulps of 1, i.e.
+a few ulps of ``cap`` on the logit.
 
 Dots run in float32 with ``input_precision="ieee"`` (no TF32), so the kernels match the float64
 reference to float32 rounding (see tests/kernels/test_triton_decode.py for the bound).
@@ -54,16 +62,23 @@ def _scratch(*shape, device) -> Tensor:
 
 
 @triton.jit
+def _tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _dense_split_kernel(
     q_ptr, k_ptr, v_ptr,
     ks_ptr, ko_ptr, vs_ptr, vo_ptr,
     o_ptr, lse_ptr,
-    N, per_split, page_size,
+    N, per_split, page_size, cap,
     stride_kh, stride_kn, stride_vh, stride_vn,
     stride_ksh, stride_ksp, stride_vsh,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     G_PAD: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, QUANT: tl.constexpr, BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, QUANT: tl.constexpr, BITS: tl.constexpr, CAPPED: tl.constexpr,
 ):
     h = tl.program_id(0)
     s = tl.program_id(1)
@@ -95,6 +110,8 @@ def _dense_split_kernel(
         else:
             k = tl.load(k_ptr + h * stride_kh + n[:, None] * stride_kn + rdk[None, :], mask=kmask, other=0.0).to(tl.float32)
         logits = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if CAPPED:
+            logits = cap * _tanh(logits / cap)
         logits = tl.where(n_ok[None, :], logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -127,10 +144,10 @@ def _mid_split_kernel(
     kr_ptr, ks_ptr, ko_ptr, kstart_ptr, krank_ptr,
     vr_ptr, vs_ptr, vo_ptr, vstart_ptr, vrank_ptr,
     stat_ptr, o_ptr, lse_ptr,
-    N, per_split, k_bytes, v_bytes, KC, VC,
+    N, per_split, k_bytes, v_bytes, KC, VC, cap,
     G: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr,
     G_PAD: tl.constexpr, RK_PAD: tl.constexpr, RV_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, CAPPED: tl.constexpr,
 ):
     h = tl.program_id(0)
     s = tl.program_id(1)
@@ -164,6 +181,8 @@ def _mid_split_kernel(
         kst = st[:, None].to(tl.int64) * KC + kcol
         ck = tl.load(ko_ptr + kst, mask=kmask, other=0.0) + kcode.to(tl.float32) * tl.load(ks_ptr + kst, mask=kmask, other=0.0)
         logits = tl.dot(qp, tl.trans(ck), input_precision="ieee") + qb[:, None]
+        if CAPPED:
+            logits = cap * _tanh(logits / cap)
         logits = tl.where(n_ok[None, :], logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -201,11 +220,19 @@ def _splits(n: int, heads: int, block: int, device: torch.device) -> tuple[int, 
     return triton.cdiv(n, per), per
 
 
+def _cap(softcap: float | None) -> float:
+    """The kernels' runtime ``cap`` argument (unused when CAPPED is False)."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive (or None), got {softcap}")
+    return 1.0 if softcap is None else float(softcap)
+
+
 def _block(device: torch.device) -> int:
     return 64 if device.type == "cuda" and not INTERPRET else 16
 
 
-def dense_partial(q: Tensor, k: Tensor, v: Tensor, scale: float, recent: RecentCodes | None = None):
+def dense_partial(q: Tensor, k: Tensor, v: Tensor, scale: float, recent: RecentCodes | None = None,
+                  softcap: float | None = None):
     """Split partials of q [Hq, d] over exact k/v [Hkv, N, d] (or Recent codes): o [Hq, S, dv], lse [Hq, S]."""
     if recent is not None:
         k, v = recent.k_codes.contiguous(), recent.v_codes.contiguous()
@@ -229,16 +256,16 @@ def dense_partial(q: Tensor, k: Tensor, v: Tensor, scale: float, recent: RecentC
     qs = (q.float() * scale).contiguous()
     _dense_split_kernel[(hkv, splits)](
         qs, k, v, ks, ko, vs, vo, o, lse,
-        n, per, page,
+        n, per, page, _cap(softcap),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         ks.stride(0), ks.stride(1) if ks.dim() > 1 else 0, vs.stride(0),
         G=g, DK=dk, DV=dv, G_PAD=_pow2(g), DK_PAD=_pow2(dk), DV_PAD=_pow2(dv),
-        BLOCK_N=block, QUANT=recent is not None, BITS=bits,
+        BLOCK_N=block, QUANT=recent is not None, BITS=bits, CAPPED=softcap is not None,
     )
     return o.transpose(1, 2).reshape(hq, splits, dv), lse.transpose(1, 2).reshape(hq, splits)
 
 
-def mid_partial(q: Tensor, mid: MidCodes, scale: float):
+def mid_partial(q: Tensor, mid: MidCodes, scale: float, softcap: float | None = None):
     """Split partials of q [Hq, d] over a projected Mid segment: o [Hq, S, dv], lse [Hq, S]."""
     hkv, dk, rk = mid.k_vectors.shape
     dv, rv = mid.v_vectors.shape[1:]
@@ -256,9 +283,9 @@ def mid_partial(q: Tensor, mid: MidCodes, scale: float):
     _mid_split_kernel[(hkv, splits)](
         qp, qb, t[0], t[1], t[2], mid.k_starts, mid.k_ranks, t[3], t[4], t[5], mid.v_starts, mid.v_ranks,
         mid.row_stat, coef, lse,
-        n, per, t[0].shape[1], t[3].shape[1], t[1].shape[1], t[4].shape[1],
+        n, per, t[0].shape[1], t[3].shape[1], t[1].shape[1], t[4].shape[1], _cap(softcap),
         G=g, RK=rk, RV=rv, G_PAD=_pow2(g), RK_PAD=_pow2(rk), RV_PAD=_pow2(rv),
-        BLOCK_N=block, KBITS=mid.k_bits, VBITS=mid.v_bits,
+        BLOCK_N=block, KBITS=mid.k_bits, VBITS=mid.v_bits, CAPPED=softcap is not None,
     )
     # each split is normalised (weights sum to one), so the mean goes back per split
     out = coef @ mid.v_vectors.float().transpose(1, 2)[:, None] + mid.v_mean.float()[:, None, None]
@@ -280,22 +307,24 @@ def merge_splits(parts, out: Tensor | None = None) -> Tensor:
     return out
 
 
-def triton_decode_attention(q: Tensor, segs: DecodeSegments, scale: float, out: Tensor | None = None) -> Tensor:
-    """Decode attention of q [Hq, d] over every segment with the Triton kernels -> [Hq, dv] float32."""
+def triton_decode_attention(q: Tensor, segs: DecodeSegments, scale: float, out: Tensor | None = None,
+                            softcap: float | None = None) -> Tensor:
+    """Decode attention of q [Hq, d] over every segment with the Triton kernels -> [Hq, dv] float32.
+    ``softcap``: logits are ``softcap * tanh(logits / softcap)`` (None: uncapped)."""
     parts = []
     if segs.exact is not None and segs.exact[0].shape[1]:
-        parts.append(dense_partial(q, *segs.exact, scale))
+        parts.append(dense_partial(q, *segs.exact, scale, softcap=softcap))
     if segs.recent is not None and segs.recent.tokens:
-        parts.append(dense_partial(q, None, None, scale, recent=segs.recent))
+        parts.append(dense_partial(q, None, None, scale, recent=segs.recent, softcap=softcap))
     if segs.mid is not None and segs.mid.tokens:
-        parts.append(mid_partial(q, segs.mid, scale))
+        parts.append(mid_partial(q, segs.mid, scale, softcap))
     elif segs.mid_other is not None:  # baseline Mid encodings: torch reference
         attend = partial_lowrank if segs.mid_other_projected else partial_dense
-        o, lse = attend(q[:, None], *segs.mid_other, scale)
+        o, lse = attend(q[:, None], *segs.mid_other, scale, softcap=softcap)
         parts.append((o, lse))
     for epoch in segs.retired:  # earlier Mid epochs (bases refitted as the sequence grew)
-        parts.append(mid_partial(q, epoch, scale) if isinstance(epoch, MidCodes)
-                     else partial_lowrank(q[:, None], *epoch, scale))
+        parts.append(mid_partial(q, epoch, scale, softcap) if isinstance(epoch, MidCodes)
+                     else partial_lowrank(q[:, None], *epoch, scale, softcap=softcap))
     if not parts:
         raise ValueError("decode attention over an empty history")
     return merge_splits(parts, out)

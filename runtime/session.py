@@ -177,9 +177,9 @@ class Session:
         """Attend q [Hq, T, d] over [stored history ; new chunk], then store the chunk."""
         tracks_mass = cache.policy.tracks_attention_mass
         if q.shape[1] == 1 and cache.length(seq) and not tracks_mass and not cache.shared_value_dim \
-                and softcap is None and cache.window is None:
+                and cache.window is None:
             # Decode step: read the stored codes directly (C kernel on CPU, Triton on CUDA).
-            out = attend_cache(cache, seq, q, k, v, scale)
+            out = attend_cache(cache, seq, q, k, v, scale, softcap)
             cache.observe(seq, q, k.shape[0])
             cache.append(seq, k, v[..., :0] if cache.shared_value_dim else v)
             return out

@@ -102,7 +102,7 @@ def test_attend_cache_equals_session_decode_step(name):
         for step in range(3):  # a few decode steps: pages keep moving through phases
             q, kn, vn = torch.randn(hq, 1, d), torch.randn(hkv, 1, d), torch.randn(hkv, 1, d)
             segments = cache.segments(0)
-            ref = merge_partials(_history_partials(q, segments, d**-0.5) + [partial_dense(q, kn, vn, d**-0.5)])
+            ref = merge_partials(_history_partials(q, segments, d**-0.5, None) + [partial_dense(q, kn, vn, d**-0.5)])
             out = fast_decode.attend_cache(cache, 0, q, kn, vn, d**-0.5)
             assert out.shape == (hq, 1, d)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
