@@ -159,7 +159,7 @@ def test_matches_runtime_store(chunks):
         assert segs.mid is not None and segs.recent is not None
         assert len(segs.retired) == (len(chunks) > 1)
         out = run_kernel(q[:, 0], segs, d**-0.5)
-        ref = merge_partials(_history_partials(q, cache.segments(0), d**-0.5)
+        ref = merge_partials(_history_partials(q, cache.segments(0), d**-0.5, None)
                              + [partial_dense(q, kn, vn, d**-0.5)])[:, 0]
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     assert math.isfinite(out.sum().item())
