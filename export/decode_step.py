@@ -123,9 +123,11 @@ class _Binding:
 
 
 def kvtopo_cached_attention(query, key, value, attn_mask, scale, is_causal, layer, window=None, softcap=None,
-                            model_key=None):
+                            model_key=None, sinks=None):
     """Replacement target of `kvtopo.attention` nodes inside DecodeStep (the mask is the model's
     own causal mask for the chunk; the cache's causal structure is rebuilt from lengths)."""
+    if sinks is not None:
+        raise NotImplementedError(f"export does not carry attention sinks yet; layer {layer!r} has them")
     return _BINDINGS[-1].attend(layer, query, key, value, scale)
 
 
@@ -222,11 +224,12 @@ def _sorted_topk(gm: fx.GraphModule) -> None:
 
 def layout_for(model: nn.Module, captured: Captured, config: Config, max_context: int) -> CacheLayout:
     sites = captured.sites
-    special = [s for s in sites if not isinstance(s, MLASite) and (s.window or s.softcap)]
+    special = [s for s in sites if not isinstance(s, MLASite) and (s.window or s.softcap or s.sinks is not None)]
     if special:
         raise NotImplementedError(
-            "export does not carry sliding windows or logit softcapping yet; these layers have them: "
-            + "; ".join(f"{s.layer} (window={s.window}, softcap={s.softcap})" for s in special))
+            "export does not carry sliding windows, logit softcapping or attention sinks yet; these layers have "
+            "them: " + "; ".join(f"{s.layer} (window={s.window}, softcap={s.softcap}, sinks={s.sinks is not None})"
+                                 for s in special))
     shapes = [_cached_shape(s) for s in sites]
     if any(shape != shapes[0] for shape in shapes):
         raise NotImplementedError("export needs every attention layer to cache the same shapes (and either all or "

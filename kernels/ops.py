@@ -27,6 +27,7 @@ def attention(
     window: int | None = None,
     softcap: float | None = None,
     model_key: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [B, Hq, T, d]; key/value [B, Hkv, S, d|dv] (kv-heads, not repeated) -> [B, Hq, T, dv].
 
@@ -34,17 +35,19 @@ def attention(
     `attn_mask` already encodes it, inside one the store keeps and attends only that band.
     `softcap`: logits are `softcap * tanh(logits / softcap)` before the mask and softmax.
     `model_key`: a parameter of the calling model; a session keeps one store per model by it.
+    `sinks`: [Hq] attention sinks (gpt-oss): a learned logit per query head joins every row's
+    softmax and its column is dropped, so part of each row's mass goes to no value.
     """
     session = active_session()
     if session is None:
-        return grouped_attention(query, key, value, attn_mask, scale, is_causal, softcap)
+        return grouped_attention(query, key, value, attn_mask, scale, is_causal, softcap, sinks)
     return session.attend(layer, query, key, value, attn_mask, scale, is_causal=is_causal, window=window,
-                          softcap=softcap, model_key=model_key)
+                          softcap=softcap, model_key=model_key, sinks=sinks)
 
 
 @attention.register_fake
 def _attention_fake(query, key, value, attn_mask, scale, is_causal, layer, window=None, softcap=None,
-                    model_key=None):
+                    model_key=None, sinks=None):
     return query.new_empty(*query.shape[:-1], value.shape[-1])
 
 
@@ -97,8 +100,8 @@ def _mla_attention_fake(query, latent, rope_key, kv_up_weight, attn_mask, scale,
 
 
 def _attention_decomposition(query, key, value, attn_mask, scale, is_causal, layer, window=None, softcap=None,
-                             model_key=None):
-    return attention_decomposition(query, key, value, attn_mask, scale, is_causal, softcap)
+                             model_key=None, sinks=None):
+    return attention_decomposition(query, key, value, attn_mask, scale, is_causal, softcap, sinks)
 
 
 def _mla_attention_decomposition(query, latent, rope_key, kv_up_weight, attn_mask, scale, is_causal, layer, nope_dim,

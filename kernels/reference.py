@@ -18,16 +18,19 @@ def grouped_attention(
     scale: float | None = None,
     is_causal: bool = False,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of query heads over kv-head-grouped keys/values.
 
     `attn_mask` follows `scaled_dot_product_attention`: bool (True = attend) or additive float,
     broadcastable to [B, Hq, T, S]. `softcap` caps the scaled logits (`cap * tanh(x / cap)`)
-    before the mask, which SDPA cannot do, so that case runs the explicit decomposition.
+    before the mask, and `sinks` [Hq] (gpt-oss) adds one logit per query head to every row's
+    softmax whose column is dropped afterwards; SDPA can do neither, so those cases run the
+    explicit decomposition.
     """
-    if softcap is not None:
+    if softcap is not None or sinks is not None:
         scale = scale if scale is not None else query.shape[-1] ** -0.5
-        return attention_decomposition(query, key, value, attn_mask, scale, is_causal, softcap).contiguous()
+        return attention_decomposition(query, key, value, attn_mask, scale, is_causal, softcap, sinks).contiguous()
     grouped = query.shape[-3] != key.shape[-3]
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, scale=scale, is_causal=is_causal, enable_gqa=grouped
@@ -53,8 +56,14 @@ def attention_decomposition(
     scale: float,
     is_causal: bool,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same attention written with plain aten ops (matmul, softmax), for graph export."""
+    """The same attention written with plain aten ops (matmul, softmax), for graph export.
+
+    With `sinks` [Hq], each row's softmax runs over [logits ; sink of the row's head] and the
+    sink's column is dropped: the output is the sink-free attention scaled by
+    exp(lse) / (exp(lse) + exp(sink)), so a row with no visible key comes out zero.
+    """
     groups = query.shape[-3] // key.shape[-3]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=-3)
@@ -72,5 +81,9 @@ def attention_decomposition(
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask
-    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
-    return torch.matmul(probs, value)
+    if sinks is None:
+        probs = torch.softmax(scores.float(), dim=-1)
+    else:
+        sink_column = sinks.float().reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores.float(), sink_column], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(value.dtype), value)

@@ -1,9 +1,12 @@
 """Find hand-written attention: matmul -> scale -> (+mask | where(mask)) -> softmax -> matmul.
 
 This is HF "eager" attention (with or without an fp32 softmax upcast) and GPT-2's older
-`where(causal_mask, scores, min)` form. Anything else between the two matmuls — a tensor
-multiplied into the scores, a fill that is not -inf-like, the probabilities mixed with another
-tensor or used elsewhere — makes the candidate a refusal, never a rewrite.
+`where(causal_mask, scores, min)` form, and gpt-oss's attention sinks: a per-head parameter
+joined to the scores as one more column (`cat([scores, sinks.reshape(1, -1, 1, 1).expand(...)],
+-1)`, less the row max), whose probability column is dropped before the value matmul. Anything
+else between the two matmuls — a tensor multiplied into the scores, a fill that is not -inf-like,
+the probabilities mixed with another tensor or used elsewhere, a sink column that is not a
+per-head parameter — makes the candidate a refusal, never a rewrite.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .find_window import mask_window
-from .graph_utils import (ActivationSources, arg, attention_shapes, check_self_attention, constant_value, is_call,
-                          layer_name, meta_tensor, skip_casts, strip_repeat_kv)
+from .graph_utils import (ActivationSources, _weight_placeholder, arg, attention_shapes, check_self_attention,
+                          constant_value, is_call, layer_name, meta_tensor, skip_casts, strip_repeat_kv)
 from .site import AttentionSite, NotAttention, Refusal
 
 _SOFTMAX = ((F.softmax, torch.softmax), ("softmax",))
@@ -24,6 +27,9 @@ _MATMUL = ((torch.matmul, operator.matmul), ("matmul", "__matmul__"))
 _MUL = ((operator.mul, torch.mul), ("mul", "__mul__"))
 _DIV = ((operator.truediv, torch.div), ("div", "__truediv__"))
 _ADD = ((operator.add, torch.add), ("add", "__add__"))
+_SUB = ((operator.sub, torch.sub), ("sub", "__sub__"))
+_CAT = ((torch.cat, torch.concat, torch.concatenate), ())
+_SHAPE_OPS = ("reshape", "view", "unsqueeze", "expand")
 _MASK_FILL_MIN = -1e4  # a fill at or below this is a mask, not a bias
 
 
@@ -66,13 +72,17 @@ def _match(softmax: fx.Node, layer: str, sources: ActivationSources) -> Attentio
     rank = meta_tensor(softmax).dim()
     if dim not in (-1, rank - 1):
         raise NotAttention(f"softmax over dim {dim}, not the key axis (-1)")
-    output, value = _probabilities_to_output(softmax)
-    query, key_t, masks, scale, softcap = _scores_from_softmax(softmax)
+    output, value, dropped = _probabilities_to_output(softmax)
+    logits, sink_column = skip_casts(softmax.args[0]), None
+    if dropped is not None:
+        logits, sink_column = _split_sink_column(logits, dropped)
+    query, key_t, masks, scale, softcap = _scores_from_logits(logits)
     key = _untranspose(key_t)
     key, _ = strip_repeat_kv(key)
     value, _ = strip_repeat_kv(value)
     check_self_attention(sources, query, key, value)
     heads, kv_heads, head_dim, value_dim = attention_shapes(query, key, value)
+    sinks = _sink_parameter(sink_column, heads, logits) if sink_column is not None else None
     kinds = sorted(kind for _, kind in masks)
     if len(masks) > 2 or kinds.count("additive") > 1 or (len(masks) == 2 and "additive" not in kinds):
         raise NotAttention(f"{len(masks)} masks ({', '.join(kinds)}) are applied to the scores")
@@ -80,21 +90,104 @@ def _match(softmax: fx.Node, layer: str, sources: ActivationSources) -> Attentio
         layer=layer, pattern="eager", query=query, key=key, value=value, masks=tuple(masks),
         scale=scale, is_causal=False, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         value_head_dim=value_dim, output=output, window=mask_window([m for m, _ in masks]) if masks else None,
-        softcap=softcap,
+        softcap=softcap, sinks=sinks,
     )
 
 
-def _probabilities_to_output(softmax: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """Follow the probabilities through casts and inference dropout to `matmul(p, v)`."""
-    node = softmax
+def _probabilities_to_output(softmax: fx.Node) -> tuple[fx.Node, fx.Node, str | None]:
+    """Follow the probabilities through casts, inference dropout and the drop of one end column
+    (an attention sink's) to `matmul(p, v)`; also which column was dropped ("last", "first", None)."""
+    node, dropped = softmax, None
     while True:
         user = _single_user(node, "attention probabilities")
         if is_call(user, methods=("to", "type", "float")) or _is_inference_dropout(user):
             node = user
             continue
+        if dropped is None and (side := _dropped_column(user)) is not None:
+            node, dropped = user, side
+            continue
         if _is(user, _MATMUL) and user.args[0] is node:
-            return user, user.args[1]
+            return user, user.args[1], dropped
         raise NotAttention(f"attention probabilities are combined with {_describe(user)} before the value matmul")
+
+
+def _dropped_column(node: fx.Node) -> str | None:
+    """"last" for `p[..., :-1]`, "first" for `p[..., 1:]` (any spelling of the leading axes), else None."""
+    if not is_call(node, operator.getitem) or not isinstance(node.args[1], tuple) or not node.args[1]:
+        return None
+    *lead, last = node.args[1]
+    full = slice(None)
+    if lead != [Ellipsis] and not (all(i == full for i in lead) and len(lead) == meta_tensor(node.args[0]).dim() - 1):
+        return None
+    if not isinstance(last, slice) or last.step not in (None, 1):
+        return None
+    if last.start in (None, 0) and last.stop == -1:
+        return "last"
+    if last.start == 1 and last.stop is None:
+        return "first"
+    return None
+
+
+def _split_sink_column(logits: fx.Node, dropped: str) -> tuple[fx.Node, fx.Node]:
+    """(scores, sink column) of softmax logits `cat([scores, sinks], -1)` whose `dropped` column
+    the probabilities lose, with or without the row max subtracted (the softmax cancels it)."""
+    joined, row_max = _strip_row_max(logits)
+    if not _is(joined, _CAT):
+        raise NotAttention(f"a probability column is dropped but the softmax's logits are {_describe(joined)}, "
+                           "not scores joined with a sink column")
+    users = set(joined.users)
+    if (row_max is None and len(users) != 1) or (row_max is not None and not users <= {logits, row_max}):
+        raise NotAttention(f"the logits joined with the sinks ({joined.name}) are also used elsewhere")
+    tensors, dim = arg(joined, 0, "tensors"), arg(joined, 1, "dim", 0)
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or dim not in (-1, meta_tensor(joined).dim() - 1):
+        raise NotAttention(f"the softmax's logits are {_describe(joined)}, not [scores ; one sink column] on the key axis")
+    scores, column = tensors if dropped == "last" else tensors[::-1]
+    if not isinstance(column, fx.Node) or meta_tensor(column).shape[-1] != 1:
+        raise NotAttention(f"the dropped {dropped} column is {_describe(column)}, not one sink logit per row")
+    return skip_casts(scores), column
+
+
+def _strip_row_max(node: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+    """(x, the max node) when `node` is `x - x.max(-1, keepdim=True).values` (or `amax`), else (node, None)."""
+    if not _is(node, _SUB) or not isinstance(node.args[0], fx.Node):
+        return node, None
+    x, m = node.args[0], node.args[1]
+    while is_call(m, torch.detach, methods=("detach",)):
+        m = m.args[0]
+    if is_call(m, operator.getitem) and m.args[1] == 0 and is_call(m.args[0], torch.max, methods=("max",)):
+        row_max = m.args[0]
+    elif is_call(m, torch.amax, methods=("amax",)):
+        row_max = m
+    else:
+        return node, None
+    dim, keepdim = arg(row_max, 1, "dim"), arg(row_max, 2, "keepdim", False)
+    dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+    if row_max.args[0] is not x or keepdim is not True or dim not in (-1, meta_tensor(x).dim() - 1):
+        return node, None
+    return x, row_max
+
+
+def _sink_parameter(column: fx.Node, heads: int, scores: fx.Node) -> fx.Node:
+    """The [Hq] parameter behind a sink column [B, Hq, T, 1], e.g. `sinks.reshape(1, -1, 1, 1)
+    .expand(B, -1, T, -1)`: only reshapes that keep head h on axis -3 and broadcasts over the rest."""
+    want = tuple(meta_tensor(scores).shape[:-1])
+    got = tuple(meta_tensor(column).shape)
+    if len(got) != len(want) + 1 or str(got[:-1]) != str(want):
+        raise NotAttention(f"the sink column has shape {got}, not the scores' rows {want} with one logit each")
+    node = skip_casts(column)
+    while is_call(node, torch.reshape, torch.unsqueeze, methods=_SHAPE_OPS):
+        shape = tuple(meta_tensor(node).shape)
+        if len(shape) < 3 or shape[-3] != heads or (not is_call(node, methods=("expand",))
+                                                    and any(n != 1 for i, n in enumerate(shape) if i != len(shape) - 3)):
+            raise NotAttention(f"the sinks pass through {_describe(node)} of shape {shape}, not a per-head [Hq] "
+                               "vector placed on the head axis")
+        node = skip_casts(node.args[0])
+    if not (isinstance(node, fx.Node) and node.op == "placeholder" and _weight_placeholder(node)):
+        raise NotAttention(f"the sink column comes from {_describe(node)}, not a per-head parameter")
+    shape = tuple(meta_tensor(node).shape)
+    if shape != (heads,):
+        raise NotAttention(f"the sink parameter {node.name} has shape {shape}, not one logit per query head ({heads})")
+    return node
 
 
 def _is_inference_dropout(node: fx.Node) -> bool:
@@ -106,10 +199,9 @@ def _is_inference_dropout(node: fx.Node) -> bool:
     raise NotAttention(f"attention dropout p={p} training={training} is not inference attention")
 
 
-def _scores_from_softmax(softmax: fx.Node):
-    """Walk up from the softmax input to `matmul(q, k^T)`, collecting masks, the scale and a
+def _scores_from_logits(node: fx.Node):
+    """Walk up from the softmax's logits to `matmul(q, k^T)`, collecting masks, the scale and a
     logit softcap (`cap * tanh(scores / cap)`, applied after the scale and before the masks)."""
-    node = skip_casts(softmax.args[0])
     masks: list[tuple[fx.Node, str]] = []
     scale = 1.0
     softcap = None

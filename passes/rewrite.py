@@ -41,13 +41,14 @@ def _erase_dead_chain(graph: fx.Graph, node: fx.Node) -> None:
     (A whole-graph DCE would be wrong here: Dynamo graphs keep in-place `copy_` calls whose
     results are unused but whose effect is not, e.g. DeepSeek-V3 filling its key tensor.)
     """
-    stack = [node]
+    stack, erased = [node], set()
     while stack:
         n = stack.pop()
-        if n.users or n.op not in ("call_function", "call_method") or str(n.target).endswith("_"):
-            continue
+        if n in erased or n.users or n.op not in ("call_function", "call_method") or str(n.target).endswith("_"):
+            continue  # (a node reached twice, e.g. the logits a sink site subtracts its row max from)
         inputs = n.all_input_nodes
         graph.erase_node(n)
+        erased.add(n)
         stack.extend(inputs)
 
 
@@ -83,11 +84,10 @@ def rewrite_sites(gm: fx.GraphModule, sites: list[AttentionSite]) -> int:
     for site in sites:
         with graph.inserting_before(site.output):
             mask = _fold_masks(graph, site.masks)
-            new = graph.call_function(
-                torch.ops.kvtopo.attention.default,
-                (site.query, site.key, site.value, mask, site.scale, site.is_causal, site.layer, site.window,
-                 site.softcap, key),
-            )
+            args = (site.query, site.key, site.value, mask, site.scale, site.is_causal, site.layer, site.window,
+                    site.softcap, key)
+            sinks = (site.sinks,) if site.sinks is not None else ()  # the op's last argument, default None
+            new = graph.call_function(torch.ops.kvtopo.attention.default, args + sinks)
         new.meta.update({k: v for k, v in site.output.meta.items() if k in _KEPT_META})
         site.output.replace_all_uses_with(new)
         _erase_dead_chain(graph, site.output)

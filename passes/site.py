@@ -34,11 +34,15 @@ class AttentionSite:
     window: int | None = None
     # Logits are `softcap * tanh(logits / softcap)` before the mask and softmax (Gemma-2); None: not capped.
     softcap: float | None = None
+    # The parameter [Hq] of per-head attention sinks (gpt-oss): one more logit in every row's
+    # softmax whose column is dropped before the value matmul; None: no sinks.
+    sinks: fx.Node | None = None
 
     def describe(self) -> str:
         kinds = "+".join(kind for _, kind in self.masks)
         mask = "causal" if self.is_causal else (f"{kinds} mask" if self.masks else "no mask")
         extras = (f" window={self.window}" if self.window else "") + (f" softcap={self.softcap:g}" if self.softcap else "")
+        extras += " sinks" if self.sinks is not None else ""
         return (f"{self.layer}: {self.pattern}, heads={self.heads} kv_heads={self.kv_heads} "
                 f"head_dim={self.head_dim} v_head_dim={self.value_head_dim} scale={self.scale:.4g} {mask}{extras}")
 

@@ -95,7 +95,8 @@ class Session:
     # -- the op's entry point -------------------------------------------------------------------
     def attend(self, layer: str, query, key, value, attn_mask, scale: float, *, is_causal: bool = True,
                window: int | None = None, softcap: float | None = None,
-               shared_value_dim: int | None = None, model_key: torch.Tensor | None = None) -> torch.Tensor:
+               shared_value_dim: int | None = None, model_key: torch.Tensor | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of `query` over this layer's history and the new `key`/`value` chunk.
 
         The session applies its own mask: causal over [history ; chunk], the sliding `window` if
@@ -107,6 +108,8 @@ class Session:
         so `value` is ignored and only the keys are stored.
         `model_key`: a parameter of the calling model; its layers are stored as
         '<model name>/<layer>', so two models in one session never share a store.
+        `sinks`: [Hq] attention sinks (gpt-oss), one more logit per query head in every row's
+        softmax with no value behind it: merged as one more segment (output 0, lse = the sink).
         """
         if not self.active:
             raise RuntimeError("kvtopo session used after it was closed")
@@ -119,6 +122,9 @@ class Session:
                 "use one session per batch (or session.clear())"
             )
         valid = self._step_valid
+        if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+            raise ValueError(f"attention site {layer!r} has sinks of shape {tuple(sinks.shape)}, "
+                             f"not one per query head ({query.shape[1]})")
         if valid is not None and tuple(valid.shape) != (batch, chunk):
             raise ValueError(f"step validity has shape {tuple(valid.shape)}, the call has (batch, tokens)=({batch}, {chunk})")
         _check_pure_mask(layer, attn_mask)
@@ -142,7 +148,7 @@ class Session:
             q, k, v = query[b], key[b], value[b]
             if rows is not None:
                 q, k, v = q[:, rows], k[:, rows], v[:, rows]
-            out_b = self._attend_one(cache, b, q, k, v, scale, softcap)
+            out_b = self._attend_one(cache, b, q, k, v, scale, softcap, sinks)
             if rows is None:
                 out[b] = out_b
             else:
@@ -173,11 +179,12 @@ class Session:
                 return max((cache.length(seq) for seq in cache.sequences), default=0)
         return 0
 
-    def _attend_one(self, cache: LayerCache, seq: int, q, k, v, scale: float, softcap: float | None) -> torch.Tensor:
+    def _attend_one(self, cache: LayerCache, seq: int, q, k, v, scale: float, softcap: float | None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attend q [Hq, T, d] over [stored history ; new chunk], then store the chunk."""
         tracks_mass = cache.policy.tracks_attention_mass
         if q.shape[1] == 1 and cache.length(seq) and not tracks_mass and not cache.shared_value_dim \
-                and cache.window is None:
+                and cache.window is None and sinks is None:
             # Decode step: read the stored codes directly (C kernel on CPU, Triton on CUDA).
             out = attend_cache(cache, seq, q, k, v, scale, softcap)
             cache.observe(seq, q, k.shape[0])
@@ -189,10 +196,13 @@ class Session:
             keys = k if past is None else torch.cat([past[0], k], dim=1)
             values = v if past is None else torch.cat([past[1], v], dim=1)
             mask = chunk_causal_mask(keys.shape[1] - k.shape[1], q.shape[1], device=q.device, window=cache.window)
-            out = grouped_attention(q[None], keys[None], values[None], mask, scale, softcap=softcap)[0]
+            out = grouped_attention(q[None], keys[None], values[None], mask, scale, softcap=softcap, sinks=sinks)[0]
         else:
             causal = chunk_causal_mask(0, q.shape[1], device=q.device)
             parts = _history_partials(q, segments, scale, softcap) + [partial_dense(q, k, v, scale, causal, softcap)]
+            if sinks is not None:  # one more logit per head with no value: output 0, lse = the sink
+                parts.append((q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32),
+                              sinks.float()[:, None].expand(q.shape[0], q.shape[1])))
             out = merge_partials(parts).to(q.dtype)
             if tracks_mass:
                 _accumulate_mass(cache, seq, q, parts, scale, softcap)

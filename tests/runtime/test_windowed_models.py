@@ -1,4 +1,4 @@
-"""Sliding-window, hybrid local/global and softcapped architectures in sessions.
+"""Sliding-window, hybrid local/global, softcapped and attention-sink architectures in sessions.
 
 Each model's windows are 16 tokens and its prompts at least 3 windows long, so a session that
 dropped a window, or attended over a window it had already released, would change the tokens.
@@ -17,7 +17,7 @@ import kvtopo
 from kvtopo.models import zoo
 
 PROMPT, STEPS, PAGE = 64, 40, 8
-SUPPORTED = [n for n in zoo.WINDOWED_MODELS if n != "gpt-oss"]  # gpt-oss: attention sinks, refused
+SUPPORTED = list(zoo.WINDOWED_MODELS)  # gpt-oss included: its attention sinks are carried by the op
 CASES = [(name, impl) for name in SUPPORTED for impl in zoo.attn_implementations(name)]
 
 
