@@ -32,7 +32,7 @@ import torch.fx as fx
 
 import kvtopo.kernels.ops  # noqa: F401  (registers torch.ops.kvtopo.*, positions included)
 
-from .graph_utils import is_call
+from .graph_utils import ancestor_nodes, is_call
 
 _ATTENTION_OPS = {
     # op -> the names of its arguments that carry RoPE (query and key)
@@ -101,18 +101,6 @@ def _descendants(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _ancestors(node) -> set[fx.Node]:
-    if not isinstance(node, fx.Node):
-        return set()
-    seen, stack = {node}, [node]
-    while stack:
-        for inp in stack.pop().all_input_nodes:
-            if inp not in seen:
-                seen.add(inp)
-                stack.append(inp)
-    return seen
-
-
 def _is_rotary(node: fx.Node) -> bool:
     return is_call(node, torch.cos, torch.sin, methods=("cos", "sin"))
 
@@ -133,7 +121,7 @@ def find_position_sites(gm: fx.GraphModule) -> list[PositionSite]:
     # For each op: the ancestors of its RoPE'd inputs, and its query's token count.
     fed = []
     for op in attention:
-        ancestors = set().union(*(_ancestors(_op_arg(op, name)) for name in _ATTENTION_OPS[op.target]))
+        ancestors = ancestor_nodes([_op_arg(op, name) for name in _ATTENTION_OPS[op.target]])
         fed.append((ancestors, _token_dim(_op_arg(op, "query")), _op_arg(op, "layer"), _op_arg(op, "model_key")))
 
     sites = []

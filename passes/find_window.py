@@ -21,7 +21,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .graph_utils import arg, is_call
+from .graph_utils import ancestor_nodes, arg, is_call
 from .site import NotAttention
 
 _SUB = ((operator.sub, torch.sub), ("sub", "__sub__"))
@@ -33,23 +33,12 @@ _MAX_NODES = 400  # mask graphs are small; stop walking long before reaching the
 
 def mask_window(masks: list[fx.Node]) -> int | None:
     """The window the masks' graphs encode, None if they encode none; NotAttention if several."""
-    windows = {w for node in _ancestors(masks) if (w := _window_of(node)) is not None}
+    windows = {w for node in ancestor_nodes(masks, _MAX_NODES) if (w := _window_of(node)) is not None}
     if len(windows) > 1:
         raise NotAttention(f"the mask's graph holds several sliding windows {sorted(windows)}")
     if windows and min(windows) < 1:
         raise NotAttention(f"the mask's graph holds a sliding window of {min(windows)} tokens")
     return windows.pop() if windows else None
-
-
-def _ancestors(roots: list[fx.Node]) -> list[fx.Node]:
-    seen, stack = set(), list(roots)
-    while stack and len(seen) < _MAX_NODES:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return list(seen)
 
 
 def _key(node: fx.Node):

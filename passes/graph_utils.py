@@ -123,6 +123,19 @@ def _weight_placeholder(node: fx.Node) -> bool:
     return "_parameters_" in node.name or "_buffers_" in node.name
 
 
+def ancestor_nodes(roots, limit: int | None = None) -> set[fx.Node]:
+    """The nodes `roots` (fx nodes; other values are ignored) are computed from, themselves
+    included; at most about `limit` of them when given."""
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if isinstance(r, fx.Node)]
+    while stack and (limit is None or len(seen) < limit):
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
 def model_key(graph: fx.Graph) -> fx.Node | None:
     """The graph's first parameter input: the kvtopo ops take it so that a session can tell
     which model a call belongs to at run time (Dynamo reuses one compiled graph for every
