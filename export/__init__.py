@@ -1,16 +1,18 @@
-"""Export of kvtopo-rewritten models for NPU toolchains: ONNX (onnxruntime) and MLIR (torch-mlir).
+"""Export of kvtopo-rewritten models for NPU toolchains: ONNX (onnxruntime, OpenVINO) and MLIR (torch-mlir, IREE).
 
 Two graphs per model (see export/decode_step.py, export/compressor.py, export/layout.py):
   decode_step  tokens + positions + the compressed cache as explicit tensors -> logits + each
                layer's new K/V and queries (also runs chunked prefill: the token count is dynamic)
   compressor   one page's K/V + observation queries + head bases + keep count -> kept tokens,
                codes, statistics; exponential-free (no Exp/Softmax/Sigmoid/Tanh/Erf)
-`runtime.host_runner.HostRunner` drives the ONNX pair with the same phase scheduler as the
-PyTorch session. MLA models (DeepSeek-V2/V3) export the same pair over the cache their session
-keeps: the latent + RoPE key, one kv-head whose value is the latent (export/layout.py).
+`runtime.host_runner.HostRunner` drives the pair with the same phase scheduler as the PyTorch
+session, on onnxruntime or OpenVINO (the ONNX files) or IREE (the compiled MLIR); see
+export/executors.py. MLA models (DeepSeek-V2/V3) export the same pair over the cache their
+session keeps: the latent + RoPE key, one kv-head whose value is the latent (export/layout.py).
 
     export_onnx("llama", "out/", config=Config(...))      # decode_step.onnx, compressor.onnx, layout.json
     export_mlir("llama", "out/", config=Config(...))      # <graph>.<torch|linalg-on-tensors|stablehlo>.mlir
+    export_iree("llama", "out/", config=Config(...))      # + decode_step.vmfb, compressor.vmfb (IREE, llvm-cpu)
 """
 
 from __future__ import annotations
@@ -69,15 +71,15 @@ def export_onnx(model_or_zoo_name, out_dir, config: Config | None = None,
 
 
 def export_mlir(model_or_zoo_name, out_dir, config: Config | None = None, max_context: int = 512,
-                output_types=MLIR_OUTPUT_TYPES, tokens: int = 1) -> dict[str, str]:
+                output_types=MLIR_OUTPUT_TYPES, tokens: int | None = 1) -> dict[str, str]:
     """Write decode_step.<type>.mlir and compressor.<type>.mlir for each output type.
 
-    MLIR graphs are static: the decode step is exported for `tokens` new tokens (1: a decode
-    step) and `max_context` cache capacity. Raises `MlirLoweringError` naming the op that could
-    not be lowered.
+    The cache has `max_context` static capacity; the decode step takes `tokens` new tokens (1: a
+    decode step; a fully static graph) or, with `tokens=None`, a dynamic token count. Raises
+    `MlirLoweringError` naming the op that could not be lowered.
     """
-    _check_args("export_mlir", out_dir, config, max_context, tokens=tokens)
-    if tokens > max_context:
+    _check_args("export_mlir", out_dir, config, max_context, **({} if tokens is None else {"tokens": tokens}))
+    if tokens is not None and tokens > max_context:
         raise ValueError(f"export_mlir: tokens={tokens} is invalid: at most max_context={max_context} (a step's "
                          "new tokens must fit in the cache)")
     if isinstance(output_types, str) or not output_types or any(t not in MLIR_OUTPUT_TYPES for t in output_types):
@@ -89,4 +91,17 @@ def export_mlir(model_or_zoo_name, out_dir, config: Config | None = None, max_co
                              tuple(output_types), tokens)
 
 
-__all__ = ["DEFAULT_MAX_CONTEXT", "export_mlir", "export_onnx"]
+def export_iree(model_or_zoo_name, out_dir, config: Config | None = None, max_context: int = 512,
+                output_type: str = "torch", target: str = "llvm-cpu", sources_dir=None) -> dict[str, str]:
+    """export_mlir with a dynamic token count, then IREE compiles both graphs to `<graph>.vmfb`
+    (export/iree.py); `HostRunner(out_dir, runtime="iree")` runs them. `sources_dir`: where to dump
+    the compiled dispatches' sources. Raises `IreeCompileError` quoting IREE's diagnostics."""
+    from .iree import INPUT_TYPES, compile_export
+
+    if output_type not in INPUT_TYPES:
+        raise ValueError(f"export_iree: output_type={output_type!r} is invalid: one of {tuple(INPUT_TYPES)}")
+    paths = export_mlir(model_or_zoo_name, out_dir, config, max_context, output_types=(output_type,), tokens=None)
+    return {**paths, **compile_export(out_dir, output_type, target, sources_dir)}
+
+
+__all__ = ["DEFAULT_MAX_CONTEXT", "export_iree", "export_mlir", "export_onnx"]

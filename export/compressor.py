@@ -49,7 +49,9 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     per_byte = 8 // bits
     grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
     weights = torch.tensor([float(1 << (bits * j)) for j in range(per_byte)], device=codes.device)
-    return (grouped * weights).sum(-1).to(torch.uint8)
+    # Through int32: IREE lowers a float -> uint8 cast as a signed 8-bit conversion, which gets
+    # bytes above 127 wrong; int32 -> uint8 keeps the low byte on every toolchain.
+    return (grouped * weights).sum(-1).to(torch.int32).to(torch.uint8)
 
 
 def unpack_codes(packed: Tensor, bits: int) -> Tensor:

@@ -2,8 +2,10 @@
 
 `torch_mlir.fx.export_and_import(module, *args, output_type=...)` for each of "torch",
 "linalg-on-tensors" and "stablehlo", written as `<graph>.<output type>.mlir` with entry function
-`decode_step` / `compressor`. MLIR graphs are static: the decode step for `tokens` new tokens
-(1 = one decode step; export another size for prefill chunks) over the layout's fixed capacities.
+`decode_step` / `compressor`. The cache capacities are static; the decode step takes `tokens` new
+tokens (1 = one decode step, the NPU-friendly fully static graph), or, with `tokens=None`, a
+dynamic token count (`[1, ?]` ids and positions) so one module runs prefill chunks and decode
+steps alike (what the IREE host loop compiles, export/iree.py).
 A lowering failure raises `MlirLoweringError` naming the graph, the output type and the ops
 torch-mlir left unlowered (from its "failed to legalize operation '...'" diagnostics).
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .onnx_export import compressor_module, example_compressor_args, example_decode_args
+from .onnx_export import compressor_module, decode_dynamic_shapes, example_compressor_args, example_decode_args
 from .decode_step import DecodeStep, capture, layout_for
 
 OUTPUT_TYPES = ("torch", "linalg-on-tensors", "stablehlo")
@@ -52,14 +54,15 @@ def _stderr_to(path: str):
         os.close(saved)
 
 
-def lower(module: torch.nn.Module, args, output_type: str, func_name: str) -> str:
+def lower(module: torch.nn.Module, args, output_type: str, func_name: str, dynamic_shapes=None) -> str:
     from torch_mlir import fx
 
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "diagnostics.txt")
         try:
             with torch.no_grad(), _stderr_to(log):
-                mlir_module = fx.export_and_import(module, *args, output_type=output_type, func_name=func_name)
+                mlir_module = fx.export_and_import(module, *args, output_type=output_type, func_name=func_name,
+                                                  dynamic_shapes=dynamic_shapes)
             err = None
         except Exception as e:  # torch-mlir raises plain RuntimeErrors; the diagnostics went to fd 2
             err, text = e, Path(log).read_text() + "\n" + str(e)
@@ -71,18 +74,19 @@ def lower(module: torch.nn.Module, args, output_type: str, func_name: str) -> st
     return str(mlir_module)
 
 
-def export_mlir_files(model, out_dir, config, max_context: int, output_types=OUTPUT_TYPES, tokens: int = 1):
+def export_mlir_files(model, out_dir, config, max_context: int, output_types=OUTPUT_TYPES, tokens: int | None = 1):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    captured = capture(model, max(tokens, 2))
+    captured = capture(model, max(tokens or 8, 2))
     layout = layout_for(model, captured, config, max_context)
     step = DecodeStep(captured, layout).eval()
-    graphs = {"decode_step": (step, example_decode_args(layout, tokens)),
-              "compressor": (compressor_module(layout), example_compressor_args(layout))}
+    decode_args = example_decode_args(layout, tokens or min(8, max_context))
+    graphs = {"decode_step": (step, decode_args, None if tokens else decode_dynamic_shapes(decode_args)),
+              "compressor": (compressor_module(layout), example_compressor_args(layout), None)}
     paths = {}
-    for name, (module, args) in graphs.items():
+    for name, (module, args, dynamic) in graphs.items():
         for output_type in output_types:
-            text = lower(module, args, output_type, ENTRY[name])
+            text = lower(module, args, output_type, ENTRY[name], dynamic)
             path = out / f"{name}.{output_type}.mlir"
             path.write_text(text)
             paths[f"{name}.{output_type}"] = str(path)

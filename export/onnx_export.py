@@ -27,11 +27,15 @@ def decode_step_program(model, config, max_context: int, tokens: int = 8):
     layout = layout_for(model, captured, config, max_context)
     step = DecodeStep(captured, layout).eval()
     args = example_decode_args(layout, tokens)
-    auto = torch.export.Dim.AUTO
-    dynamic = ({1: auto}, {1: auto}, None, tuple(None for _ in args[3]))
     with torch.no_grad():
-        ep = torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
+        ep = torch.export.export(step, args, dynamic_shapes=decode_dynamic_shapes(args), strict=False)
     return step, args, ep
+
+
+def decode_dynamic_shapes(args):
+    """torch.export dynamic_shapes of the decode step's args: the token count of ids and positions."""
+    auto = torch.export.Dim.AUTO
+    return ({1: auto}, {1: auto}, None, tuple(None for _ in args[3]))
 
 
 def example_decode_args(layout, tokens: int = 8):

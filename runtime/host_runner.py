@@ -1,9 +1,11 @@
-"""Run an exported kvtopo model with onnxruntime: the host side of the two exported graphs.
+"""Run an exported kvtopo model: the host side of the two exported graphs, on any runtime.
 
 `export.export_onnx` writes `decode_step.onnx` (tokens + the compressed cache as explicit tensors
 -> logits + each layer's new K/V and queries), `compressor.onnx` (one page's K/V + observation
 queries + head bases -> kept tokens, codes, statistics; exponential-free) and `layout.json`
-(capacities and the kvtopo Config). `HostRunner` keeps the cache on the host and drives both:
+(capacities and the kvtopo Config); `export.export_iree` writes the same two graphs as IREE
+modules. `HostRunner` keeps the cache on the host and drives both through an executor
+(`export.executors`: onnxruntime, OpenVINO or IREE, one `run(graph, inputs) -> outputs` each):
 
 * the phase schedule is `runtime.phases.PhasePlan` of the same `Config`, applied exactly as the
   PyTorch session applies it (pages settle as each new page opens; Terminal -> Initial/Recent/Mid,
@@ -21,7 +23,7 @@ no values are stored, Recent pages code only keys, Mid pages go through the keys
 and only key bases are fitted.
 
 Batch 1. Differences from the PyTorch session are float rounding only: the graphs compute the
-same functions from the same inputs, but onnxruntime's kernels round differently (~1e-7), so a
+same functions from the same inputs, but each runtime's kernels round differently (~1e-7), so a
 quantization code sitting on a rounding boundary, or two tokens whose scores tie to ~1e-7, can
 land differently. Exact ties at an eviction cut go to the lower token index here; torch.topk
 leaves their order unspecified.
@@ -263,7 +265,7 @@ class _Layer:
         if not self.shared:
             feeds["values"] = np.zeros((lay.kv_heads, P, lay.value_head_dim), np.float32)
             feeds["values"][:, :tokens] = values.float().numpy()
-        out = dict(zip(self.r.compressor_outputs, self.r.compressor.run(None, feeds)))
+        out = self.r.executor.run("compressor", feeds)
         rows, slot = slice(self.mid_len, self.mid_len + keep), self.mid_pages
         if rows.stop > lay.mid_capacity or slot >= lay.mid_page_capacity:
             raise RuntimeError(f"the exported Mid capacity ({lay.mid_capacity} tokens) is full: export with a larger max_context")
@@ -315,13 +317,13 @@ class _Layer:
 
 
 class HostRunner:
-    """Prefill + decode of an exported model with onnxruntime (see the module docstring)."""
+    """Prefill + decode of an exported model (see the module docstring)."""
 
-    def __init__(self, export_dir, config: Config | None = None, providers=None, threads: int | None = None):
+    def __init__(self, export_dir, config: Config | None = None, providers=None, threads: int | None = None,
+                 runtime: str = "onnxruntime", **runtime_options):
         """`config`: run under another Config than the one exported, when the graphs allow it
-        (budget, eviction and prefill settings may differ; what shapes the graphs may not)."""
-        import onnxruntime as ort
-
+        (budget, eviction and prefill settings may differ; what shapes the graphs may not).
+        `runtime`: "onnxruntime" (`providers`), "openvino" (`device`) or "iree" (`driver`)."""
         d = Path(export_dir)
         self.layout = _load_layout(d / "layout.json")
         exported = self.layout.config_object()
@@ -341,15 +343,9 @@ class HostRunner:
                 f"the exported compressor ranks one page at a time, but Config.eviction_scope="
                 f"{self.config.eviction_scope!r} ranks the pages of an append together: run with "
                 "eviction_scope='page'")
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
-        providers = providers or ["CPUExecutionProvider"]
-        self.decode = ort.InferenceSession(str(d / "decode_step.onnx"), opts, providers=providers)
-        self.compressor = ort.InferenceSession(str(d / "compressor.onnx"), opts, providers=providers)
-        self._names = [i.name for i in self.decode.get_inputs()]
-        self._outputs = [o.name for o in self.decode.get_outputs()]
-        self.compressor_outputs = [o.name for o in self.compressor.get_outputs()]
+        if providers is not None:
+            runtime_options["providers"] = providers
+        self.executor = _export_module("executors").open_executor(runtime, d, self.layout, threads, **runtime_options)
         self.reset()
 
     def reset(self) -> None:
@@ -371,7 +367,7 @@ class HostRunner:
             f, lengths[i] = layer.feeds()
             feeds.update({f"{k}_{i}": v for k, v in f.items()})
         feeds["lengths"] = lengths
-        out = dict(zip(self._outputs, self.decode.run(None, {n: feeds[n] for n in self._names})))
+        out = self.executor.run("decode_step", feeds)
         for i, layer in enumerate(self.layers):
             layer.observe(torch.from_numpy(out[f"queries_{i}"]))
             new_v = out.get(f"new_v_{i}")  # absent when the values live in the keys (MLA)
@@ -412,9 +408,14 @@ def _compatible(config: Config, exported: Config) -> Config:
     return config
 
 
-def _load_layout(path: Path):
+def _export_module(name: str):
+    import importlib
+
     try:
-        from kvtopo.export.layout import CacheLayout
-    except ImportError:  # `export/` not yet installed as kvtopo.export
-        from export.layout import CacheLayout
-    return CacheLayout.from_json(path.read_text())
+        return importlib.import_module(f"kvtopo.export.{name}")
+    except ModuleNotFoundError:  # `export/` not yet installed as kvtopo.export
+        return importlib.import_module(f"export.{name}")
+
+
+def _load_layout(path: Path):
+    return _export_module("layout").CacheLayout.from_json(path.read_text())

@@ -1,0 +1,64 @@
+"""IREE runs the exported MLIR: both graphs compiled for llvm-cpu, driven by HostRunner (the same
+scheduler as onnxruntime), give the PyTorch session's tokens; the compressor's compiled
+dispatches compute no exponential."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvtopo.models import zoo
+
+from export_common import CONFIG, assert_host_runner_matches_session, export_package
+
+pytest.importorskip("iree.compiler", reason="iree-base-compiler is not installed")
+pytest.importorskip("iree.runtime", reason="iree-base-runtime is not installed")
+
+PROMPT, NEW = 256, 32
+# Exponentials as MLIR ops in a dispatch (math.exp, math.exp2, math.expm1; powf could hide one).
+EXPONENTIAL = re.compile(r"\bmath\.(exp|exp2|expm1|powf)\b")
+
+
+@pytest.fixture(scope="module")
+def llama_iree(tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama_iree")
+    model = zoo.build("llama")
+    paths = export_package().export_iree(model, out, config=CONFIG, max_context=PROMPT + NEW,
+                                         sources_dir=out / "sources")
+    return model, out, paths
+
+
+def test_iree_host_runner_matches_session(llama_iree):
+    model, out, paths = llama_iree
+    assert Path(paths["decode_step.vmfb"]).stat().st_size > 0 and Path(paths["compressor.vmfb"]).stat().st_size > 0
+    runner = assert_host_runner_matches_session(model, out, CONFIG, PROMPT, NEW, runtime="iree")
+    assert runner.executor.runtime == "iree"
+    # Prefill chunks of 64 and single-token steps ran through the one dynamic-token module, and
+    # every phase occurred with Mid pages kept whole, partly and not at all (the compressor ran).
+    assert {p.phase.value for layer in runner.layers for p in layer.pages} == {"initial", "mid", "recent", "terminal"}
+    kept = [p.mid_rows for layer in runner.layers for p in layer.pages if p.mid_rows is not None]
+    assert 0 in kept and CONFIG.page_size in kept and any(0 < k < CONFIG.page_size for k in kept), kept
+
+
+def _dispatch_sources(out: Path, graph: str) -> dict[str, str]:
+    files = sorted((out / "sources" / graph).glob("*.mlir"))
+    assert files, f"IREE dumped no executable sources for {graph}"
+    return {f.name: f.read_text() for f in files}
+
+
+def test_compressor_dispatches_are_exponential_free(llama_iree):
+    _, out, _ = llama_iree
+    compressor = _dispatch_sources(out, "compressor")
+    assert all("hal.executable" in text for text in compressor.values())
+    with_exp = [name for name, text in compressor.items() if EXPONENTIAL.search(text)]
+    assert not with_exp, f"exponentials in the compiled compressor: {with_exp}"
+    # The scan sees them where they are: the decode step's softmax dispatches hold math.exp.
+    assert any("math.exp" in text for text in _dispatch_sources(out, "decode_step").values())
+
+
+def test_compile_error_names_the_file(tmp_path):
+    iree = pytest.importorskip("kvtopo.export.iree")
+    bad = tmp_path / "compressor.torch.mlir"
+    bad.write_text("func.func @compressor( {")
+    with pytest.raises(iree.IreeCompileError, match="compressor.torch.mlir"):
+        iree.compile_vmfb(bad, tmp_path / "compressor.vmfb")
