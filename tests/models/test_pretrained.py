@@ -149,7 +149,9 @@ def test_lossless_session_gives_hf_greedy_tokens(smol):
         expected = model.generate(ids, max_new_tokens=new, do_sample=False)
     # The answer is longer than 32 tokens, so no eos cuts the comparison short.
     assert expected.shape[1] == ids.shape[1] + new
-    kvtopo.compile(model)
+    # Without Inductor: the rewrite and the session are what this checks on the real model (Inductor
+    # with kvtopo is checked token-exact on the zoo models); compiling 30 layers with it costs ~80 s.
+    kvtopo.compile(model, inductor=False)
     try:
         with kvtopo.session(kvtopo.Config.lossless(prefill_chunk_size=4096)) as s:
             got, logits = kvtopo.generate(model, ids, max_new_tokens=new, return_logits=True)

@@ -26,8 +26,7 @@ def _full_logits(model, ids):
         return model(ids, use_cache=False).logits
 
 
-@pytest.mark.parametrize("inductor", [False, True])
-@pytest.mark.parametrize("impl", zoo.ATTN_IMPLEMENTATIONS)
+@pytest.mark.parametrize("impl,inductor", [(impl, False) for impl in zoo.ATTN_IMPLEMENTATIONS] + [("sdpa", True)])
 def test_chunks_without_position_ids_continue_from_the_store(impl, inductor):
     model = zoo.build("llama", impl)
     ids = _ids()
