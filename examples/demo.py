@@ -31,26 +31,13 @@ import time
 import torch
 
 import kvtopo
-from kvtopo.models import tasks
 from kvtopo.models.pretrained import chat_prompt, smollm2
+from kvtopo.models.real_tasks import prose_paragraphs
 
 DOCUMENT_TOKENS = 2000
 NEEDLE_DEPTH = 0.4  # where the needle sits, as a fraction of the document's paragraphs
 CITY = "Lisbon"
 NEW_TOKENS = 24
-
-
-def prose_paragraphs() -> list[str]:
-    """Paragraphs of plain prose from CPython's bundled docs (code, tables and grammar left out)."""
-    out = []
-    for text in (tasks.heldout_text(), tasks.train_text()):
-        for para in text.split("\n\n"):
-            if para.startswith(" ") or not para.rstrip().endswith(".") or len(para) < 200:
-                continue  # indented code or grammar, a heading, a fragment
-            if any(mark in para for mark in ("::", ">>>", "|", "---")):
-                continue
-            out.append(" ".join(para.split()))  # unwrap the 70-column lines
-    return out
 
 
 def needle_prompt(tokenizer, document_tokens: int, depth: float, city: str, number: str) -> torch.Tensor:

@@ -1,0 +1,165 @@
+"""kvpress's presses on bench/real_quality.py's examples; run inside .venv-kvpress (`make kvpress-env`).
+
+    .venv-kvpress/bin/python bench/kvpress_runner.py REQUEST.json ANSWERS.json
+
+bench/real_quality.py writes REQUEST.json (token ids of every example's conversation per setting,
+prose prefixes with the full cache's continuation, the presses and nominal ratios, dtype, eos
+ids) and reads ANSWERS.json back. kvpress 0.5.5 needs transformers < 5.3, the project a newer 5.x,
+hence the separate venv and process; the model is the same GGUF file (models/pretrained.py).
+
+Each press is kvpress's own class, applied as kvpress's pipeline applies it: `with press(model):`
+around one forward of the tokens to compress into a fresh DynamicCache (the hooks compress only
+that prefill), then the rest of the conversation -- question, greedy answer, next turn -- with
+the compressed cache and explicit positions that continue the uncompressed ones, outside the
+press. The conversation loop and teacher forcing are real_quality.py's (`converse`,
+`forced_logits`), so both sides feed identical ids the same way. A press runs at
+`compression_ratio = 1 - 1/r` for nominal r; `kept` is the cache's tokens after the prefill over
+the tokens prefilled, averaged over layers (KVzip's per-layer ratios differ). "full" is no press:
+the kvpress environment's own full cache, the reference for KL and a check against kvtopo's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _imports():
+    try:
+        import kvpress
+        import transformers
+    except ImportError as err:
+        raise SystemExit(f"bench/kvpress_runner.py needs kvpress ({err}); run it with .venv-kvpress/bin/python "
+                         "after `make kvpress-env`") from err
+    return kvpress, transformers
+
+
+kvpress, transformers = _imports()
+from real_quality import converse, forced_logits  # noqa: E402
+from quality import kl_rows  # noqa: E402
+
+PRESSES = {
+    "snapkv": kvpress.SnapKVPress,
+    "expected_attention": kvpress.ExpectedAttentionPress,
+    "knorm": kvpress.KnormPress,
+    "streaming_llm": kvpress.StreamingLLMPress,
+    "tova": kvpress.TOVAPress,
+    "keydiff": kvpress.KeyDiffPress,
+    "kvzip": kvpress.KVzipPress,
+}
+
+
+class PressForward:
+    """`forward` for `converse`: the first call is the prefill, under `press` (None: no press)."""
+
+    def __init__(self, model, press):
+        self.model, self.press = model, press
+        self.cache = transformers.DynamicCache()
+        self.position = 0
+        self.kept = None
+
+    def __call__(self, ids) -> torch.Tensor:
+        first = self.position == 0
+        n = len(ids)
+        scope = self.press(self.model) if first and self.press is not None else contextlib.nullcontext()
+        with scope:
+            out = self.model(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True,
+                             position_ids=torch.arange(self.position, self.position + n)[None], logits_to_keep=1)
+        if first:
+            self.kept = kept_fraction(self.model, self.cache, n)
+        self.position += n
+        return out.logits[0, -1].float()
+
+
+def kept_fraction(model, cache, prefilled: int) -> float:
+    """The (layer, kv-head, token) entries attention still sees over those prefilled: what the cache
+    holds, less what kvpress masks head-wise (`masked_key_indices`: KVzip keeps every token and
+    hides the evicted ones from attention)."""
+    heads = model.config.num_key_value_heads
+    seen = 0
+    for layer, block in zip(cache.layers, model.model.layers):
+        masked = getattr(block.self_attn, "masked_key_indices", None)
+        seen += layer.keys.shape[-2] * heads - (len(masked[0]) if masked is not None else 0)
+    return seen / (len(cache.layers) * heads * prefilled)
+
+
+def make_press(name: str, nominal: float):
+    return None if name == "full" else PRESSES[name](compression_ratio=1.0 - 1.0 / nominal)
+
+
+def tokenizer_for_kvzip(model, tokenizer, work: Path) -> None:
+    """KVzipPress loads the tokenizer from `model.config.name_or_path`; a GGUF model has none there."""
+    tokenizer.save_pretrained(work)
+    model.config.name_or_path = str(work)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        raise SystemExit("usage: kvpress_runner.py REQUEST.json ANSWERS.json")
+    request = json.loads(Path(argv[0]).read_text())
+    unknown = [p for p in request["presses"] if p not in PRESSES]
+    if unknown:
+        raise SystemExit(f"unknown presses {unknown}; known: {sorted(PRESSES)}")
+    torch.set_num_threads(request["threads"])
+    started = time.perf_counter()
+    from kvtopo.models.pretrained import smollm2
+
+    model, tokenizer = smollm2(getattr(torch, request["dtype"]))
+    work = Path(tempfile.mkdtemp(prefix="kvpress-tokenizer-"))
+    if "kvzip" in request["presses"]:
+        tokenizer_for_kvzip(model, tokenizer, work)
+    eos = request["eos"]
+    methods = [("full", 1.0)] + [(p, r) for p in request["presses"] for r in request["ratios"]]
+    total = len(methods) * (sum(len(e["settings"]) for e in request["examples"]) + len(request["fidelity"]))
+    done, rows, fidelity = 0, [], []
+
+    def progress(what: str) -> None:
+        nonlocal done
+        done += 1
+        print(f"kvpress {done}/{total} ({time.perf_counter() - started:.0f} s): {what}", file=sys.stderr, flush=True)
+
+    with torch.no_grad():
+        for example in request["examples"]:
+            for setting, conv in example["settings"].items():
+                for name, nominal in methods:
+                    forward = PressForward(model, make_press(name, nominal))
+                    answers = converse(forward, conv["turns"], conv["max_new"], eos)
+                    rows.append(dict(id=example["id"], setting=setting, press=name, nominal=nominal, answers=answers,
+                                     kept=forward.kept))
+                    progress(f"{example['id']} {setting} {name} {nominal:g}x")
+        for text in request["fidelity"]:
+            reference = None
+            for name, nominal in methods:
+                forward = PressForward(model, make_press(name, nominal))
+                logits = forced_logits(forward, text["prefix"], text["forced"])
+                agree = float((logits.argmax(-1) == torch.tensor(text["forced"])).float().mean())
+                if name == "full":
+                    reference = logits
+                fidelity.append(dict(id=text["id"], length=text["length"], seed=text["seed"], press=name,
+                                     nominal=nominal, kl=float(kl_rows(reference, logits).mean()), agree=agree,
+                                     kept=forward.kept))
+                progress(f"fidelity {text['id']} {name} {nominal:g}x")
+    meta = dict(kvpress=getattr(kvpress, "__version__", None) or _version("kvpress"),
+                transformers=transformers.__version__, torch=torch.__version__, python=platform.python_version(),
+                seconds=time.perf_counter() - started)
+    Path(argv[1]).write_text(json.dumps(dict(meta=meta, rows=rows, fidelity=fidelity)))
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""The real-model benchmark's pieces without the real model: task generators and scorers
+(models/real_tasks.py), the conversation loop on a tiny zoo model against kvtopo.generate, the
+prompt segments in SmolLM2's chat template (its tokenizer only), and the kvpress runner in its
+own environment on a tiny Llama (skipped, with the reason, where `make kvpress-env` was not run).
+
+`bench/real_quality.py --quick` itself needs the real model for several minutes: it is not run here.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvtopo
+from kvtopo.models import real_tasks as R
+from kvtopo.models import zoo
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import real_quality  # noqa: E402
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def all_examples(length=400, seeds=(0, 1)):
+    return [R.make_example(task, length, seed, words) for task in R.TASKS for seed in seeds]
+
+
+def test_examples_are_deterministic_and_fill_the_length():
+    for task in R.TASKS:
+        a, b = R.make_example(task, 400, 3, words), R.make_example(task, 400, 3, words)
+        assert a == b
+        assert 0.8 * 400 <= words(a.user()) <= 400, (task, words(a.user()))
+        assert R.make_example(task, 400, 4, words) != a
+        assert a.user().startswith(a.instruction) and a.questions[0].text in a.user()
+
+
+def _has_word(text: str, word: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", text, re.IGNORECASE) is not None
+
+
+def test_every_answer_is_in_the_document_not_in_the_instruction_or_question():
+    for ex in all_examples():
+        for q in ex.questions:
+            for answer in q.answers:
+                assert _has_word(ex.document, answer), (ex.task, answer)
+                assert not _has_word(ex.instruction, answer) and not _has_word(q.text, answer), (ex.task, answer)
+
+
+def test_the_scorer_accepts_the_right_answer_and_rejects_wrong_or_hedged_ones():
+    for ex in all_examples(seeds=(0, 1, 2)):
+        for q in ex.questions:
+            right = "The answer is " + ", ".join(q.answers) + "."
+            assert R.score(right, q), (ex.task, right)
+            assert R.score(right.upper() if q.kind == "uuid" else right, q)
+            wrong = _other(q)
+            swapped = "The answer is " + ", ".join((wrong,) + q.answers[1:]) + "."
+            assert not R.score(swapped, q), (ex.task, swapped)
+            assert not R.score(right + " Or maybe " + wrong + ".", q), ex.task
+            assert not R.score("I do not know.", q)
+            if len(q.answers) > 1:
+                assert not R.score("The answer is " + q.answers[0] + ".", q)
+
+
+def _other(q: R.Question) -> str:
+    """A value of the question's kind that is not an answer."""
+    if q.kind == "number":
+        return str(int(q.answers[0]) + 1)
+    if q.kind == "uuid":
+        return "00000000-0000-4000-8000-000000000000"
+    if q.kind == "varname":
+        return "QQQQQ"
+    return next(w for w in q.vocabulary if w.lower() not in {a.lower() for a in q.answers})
+
+
+def test_score_rejects_a_non_string():
+    q = R.make_example("niah_number", 400, 0, words).questions[0]
+    with pytest.raises(TypeError, match="str"):
+        R.score(None, q)
+
+
+def test_closed_lists_are_single_disjoint_words_absent_from_the_filler():
+    prose = " ".join(R.prose_paragraphs()).lower()
+    lists = [R.CITIES, R.WORDS, R.NAMES, R.JOBS, R.PETS, R.PET_NAMES, R.COLORS]
+    seen = set()
+    for values in lists:
+        for value in values:
+            assert re.fullmatch(r"[A-Za-z]+", value), value
+            assert value.lower() not in seen, value
+            seen.add(value.lower())
+            assert not re.search(rf"\b{value.lower()}\b", prose), value
+    raw = " ".join(R.prose_paragraphs())
+    assert "special magic" not in prose and "VAR " not in raw
+    assert not re.search(r"\b\d{7}\b", prose)
+
+
+def test_cwe_has_one_clear_winner_and_vartrack_keeps_chain_order():
+    for seed in range(3):
+        ex = R.make_example("cwe", 400, seed, words)
+        counts = Counter(line.split(". ", 1)[1] for line in ex.document.splitlines())
+        (winner, top), (_, second) = counts.most_common(2)
+        assert (winner,) == ex.questions[0].answers and top >= 6 and top > 2 * second
+        assert set(counts) == set(ex.questions[0].vocabulary)
+        ex = R.make_example("vartrack", 400, seed, words)
+        for name, value in re.findall(r"VAR ([A-Z]{5}) = (\d{7})\.", ex.document):
+            alias = re.search(rf"VAR ([A-Z]{{5}}) = VAR {name}\.", ex.document)
+            assert alias and ex.document.index(f"VAR {name} = {value}") < alias.start()
+            assert any(q.answers == (value,) and alias.group(1) in q.text for q in ex.questions)
+
+
+def test_bad_task_or_length_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
+        R.make_example("nope", 512, 0, words)
+    with pytest.raises(ValueError, match="length"):
+        R.make_example("qa", 64, 0, words)
+    with pytest.raises(ValueError, match="exceeds"):
+        R.make_example("qa", 200, 0, lambda text: 10 * words(text))
+
+
+# -- the conversation loop ---------------------------------------------------------------------------
+class Scripted:
+    """A forward that answers from a script and records what it was fed."""
+
+    def __init__(self, script):
+        self.script, self.fed = list(script), []
+
+    def __call__(self, ids):
+        self.fed.append(list(ids))
+        logits = torch.zeros(10)
+        logits[self.script.pop(0)] = 1.0
+        return logits
+
+
+def test_converse_stops_at_eos_unfed_and_feeds_a_cut_token_before_the_next_turn():
+    # turn 0: chunks [1,2] and [3] -> 5, 6, eos(9); turn 1: [4] -> 7, 8 (limit 2, cut)
+    forward = Scripted([0, 5, 6, 9, 7, 8])
+    answered = []
+    answers = real_quality.converse(forward, [[[1, 2], [3]], [[4]]], [4, 2], [9], answered.append)
+    assert answers == [[5, 6], [7, 8]] and answered == [0, 1]
+    assert forward.fed == [[1, 2], [3], [5], [6], [4], [7]]
+    forward = Scripted([5, 6])
+    assert real_quality.converse(forward, [[[1]], [[4]]], [1, 1], [9]) == [[5], [6]]
+    assert forward.fed == [[1], [5, 4]]  # the cut token 5 goes in before the next turn
+
+
+def test_settings_split_the_same_ids():
+    segments = dict(context=[1, 2, 3], questions=[[4, 5], [6]], max_new=[8, 9])
+    assert real_quality.conversation(segments, "aware") == ([[[1, 2, 3, 4, 5]]], [8])
+    assert real_quality.conversation(segments, "agnostic") == ([[[1, 2, 3], [4, 5]], [[6]]], [8, 9])
+    with pytest.raises(ValueError, match="unknown setting"):
+        real_quality.conversation(segments, "other")
+
+
+def test_session_forward_gives_kvtopo_generate_tokens_in_one_chunk_or_two():
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    prompt = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    config = kvtopo.Config.lossless(prefill_chunk_size=64)
+    expected = kvtopo.generate(model, prompt, 12, config=config, eos_token_id=None)[0, 40:].tolist()
+    ids = prompt[0].tolist()
+    for turns in ([[ids]], [[ids[:25], ids[25:]]]):
+        answers, memory = real_quality.run_kvtopo(model, config, turns, [12], eos=[])
+        assert answers == [expected]
+        assert memory[0]["kept"] == 1.0 and memory[0]["ratio"] > 0
+    small = kvtopo.Config.lossless(prefill_chunk_size=16)  # the forward splits into the session's chunks
+    assert real_quality.run_kvtopo(model, small, [[ids]], [12], eos=[])[0] == [expected]
+
+
+# -- the real model's chat template (tokenizer only) ----------------------------------------------------
+@pytest.fixture(scope="module")
+def prompts():
+    from transformers import AutoTokenizer
+
+    from kvtopo.models.pretrained import weights_path
+
+    path = weights_path()
+    return real_quality.Prompts(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
+
+
+def test_segments_are_the_chat_prompt_split_after_the_document(prompts):
+    from kvtopo.models.pretrained import chat_prompt
+
+    ex = R.make_example("qa", 512, 0, prompts.count)
+    assert prompts.count(ex.user()) <= 512
+    seg = prompts.segments(ex)
+    assert seg["context"] + seg["questions"][0] == chat_prompt(prompts.tokenizer, ex.user())[0].tolist()
+    decode = prompts.tokenizer.decode
+    assert decode(seg["context"]).endswith(ex.document.split()[-1])
+    assert decode(seg["questions"][0]).strip().startswith(ex.questions[0].text)
+    second = decode(seg["questions"][1])
+    assert second.startswith("<|im_end|>") and ex.questions[1].text in second and second.endswith("assistant\n")
+    assert seg["max_new"] == [q.max_new_tokens for q in ex.questions]
+
+
+# -- kvpress, in its own environment ----------------------------------------------------------------------
+def test_missing_kvpress_env_names_the_make_target(monkeypatch, tmp_path):
+    monkeypatch.setattr(real_quality, "KVPRESS_PYTHON", tmp_path / "none" / "bin" / "python")
+    with pytest.raises(SystemExit, match="make kvpress-env"):
+        real_quality.run_kvpress({}, tmp_path)
+
+
+KVPRESS_CHECK = r"""
+import json, sys, torch, transformers
+sys.path.insert(0, "bench")
+import kvpress_runner as K
+from real_quality import converse
+cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(cfg).eval()
+ids = torch.randint(3, 256, (1, 200)).tolist()[0]
+out = {}
+with torch.no_grad():
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    out["hf"] = ref[0, 200:].tolist()
+    full = K.PressForward(model, None)
+    out["full"] = converse(full, [[ids]], [8], [])[0]
+    out["full_kept"] = full.kept
+    for name in ("snapkv", "knorm", "streaming_llm"):
+        press = K.make_press(name, 4.0)
+        forward = K.PressForward(model, press)
+        out[name] = [type(press).__module__, converse(forward, [[ids[:150], ids[150:]]], [8], [])[0], forward.kept]
+print(json.dumps(out))
+"""
+
+
+def test_kvpress_runner_presses_a_tiny_llama():
+    python = real_quality.KVPRESS_PYTHON
+    if not python.exists():
+        pytest.skip(f"{python} missing: `make kvpress-env` builds kvpress's environment")
+    proc = subprocess.run([str(python), "-c", KVPRESS_CHECK], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["full"] == out["hf"] and out["full_kept"] == 1.0
+    for name in ("snapkv", "knorm", "streaming_llm"):
+        module, answer, kept = out[name]
+        assert module.startswith("kvpress.presses.") and len(answer) == 8
+        assert kept == pytest.approx(0.25, abs=0.01)  # 1 - 1/4 of the 150 context tokens removed
