@@ -7,8 +7,8 @@ function of tensors with static shapes (so NPU toolchains get one fixed graph):
    no exponential) against the observation-window queries, carried forward to each token's
    successors (`runtime.policies.topo.carry_forward`, a running max);
 2. keep the `keep` highest per kv-head. Instead of TopK (data-dependent output shape, and an
-   unspecified order among equal scores) each token's rank is counted with comparisons:
-   ``rank_i = #{j: s_j > s_i} + #{j < i: s_j == s_i}``, kept = rank < keep, i.e. ties go to the
+   unspecified order among equal scores) each token's rank is counted with comparisons
+   (`descending_ranks`), kept = rank < keep, i.e. ties go to the
    lower index. The kept tokens are written in ascending index order into the first `keep`
    of P slots (what `runtime.layer_cache.best_tokens` gives);
 3. project the kept keys/values onto the head's principal directions (`HeadBases` padded to
@@ -99,14 +99,22 @@ def expfree_page_scores(keys: Tensor, queries: Tensor, num_queries: Tensor, scal
     return carry_forward((credit * row_valid[None, :, None].float()).sum(1))
 
 
+def descending_ranks(scores: Tensor) -> Tensor:
+    """Each element's place [..., N] in a descending order of its row (ties: lower index first):
+    ``rank_i = #{j: s_j > s_i} + #{j < i: s_j == s_i}``. Comparisons and sums only: no sort or
+    TopK, which NPU toolchains lack or (IREE, see export/decode_step.py) may get wrong."""
+    idx = torch.arange(scores.shape[-1], device=scores.device)
+    other, this = scores[..., None, :], scores[..., :, None]
+    before = (other > this) | ((other == this) & (idx[None, :] < idx[:, None]))
+    return before.long().sum(-1)
+
+
 def select_kept(scores: Tensor, keep: Tensor) -> Tensor:
     """Indices [H, P] of the `keep` best tokens per row in ascending order (ties: lower index),
     slots >= keep hold 0. Comparisons and sums only (no TopK, static shapes)."""
     p = scores.shape[-1]
     idx = torch.arange(p, device=scores.device)
-    other, this = scores[:, None, :], scores[:, :, None]
-    before = (other > this) | ((other == this) & (idx[None, :] < idx[:, None])[None])
-    kept = before.long().sum(-1) < keep  # [H, P]
+    kept = descending_ranks(scores) < keep  # [H, P]
     slot = kept.long().cumsum(-1) - 1
     onehot = kept[:, None, :] & (slot[:, None, :] == idx[None, :, None])  # [H, slot, token]
     return (onehot.long() * idx).sum(-1)

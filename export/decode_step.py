@@ -33,6 +33,7 @@ from kvtopo.passes.find_mla import MLASite
 from kvtopo.passes.manager import run_passes
 
 from .attention import LayerCacheTensors, absorbed_mla_inputs, cached_attention, latent_to_heads
+from .compressor import descending_ranks
 from .layout import CacheLayout
 
 
@@ -152,7 +153,7 @@ class DecodeStep(nn.Module):
         for node in gm.graph.nodes:
             if node.op == "call_function" and node.target in _REPLACEMENTS:
                 node.target = _REPLACEMENTS[node.target]
-        _sorted_topk(gm)
+        _topk_by_rank(gm)
         gm.recompile()
         self.gm = gm
         # Placeholders: the token count (SymInt), input_ids, position_ids, or a model constant.
@@ -207,19 +208,29 @@ def _cached_shape(site) -> dict:
                 shared_value_dim=None)
 
 
-def _sorted_topk(gm: fx.GraphModule) -> None:
-    """Make `topk(..., sorted=False)` calls (DeepSeek-V3's expert router) sorted.
+def topk_by_rank(input, k, dim=-1, largest=True, sorted=True):
+    """`torch.topk` (same signature) from `descending_ranks`: values in descending order, ties
+    to the lower index (one of the orders torch.topk allows; `sorted=False` allows any).
 
-    torch-mlir cannot lower an unsorted topk (its `sorted` flag is left unlowered), and a sorted
-    result is one of the orders `sorted=False` allows, so the model's function is unchanged.
+    Expert routers' topk becomes comparisons and sums. torch-mlir lowers topk to a sort, which
+    NPU toolchains often lack, and IREE 3.13 returned wrong indices for the second of
+    Qwen3-MoE's two router sorts (right values, wrong experts) in the decode step.
     """
+    x = input.movedim(dim, -1)
+    x_ranked = x if largest else -x
+    slots = torch.arange(k, device=x.device)
+    at_slot = descending_ranks(x_ranked)[..., None, :] == slots[:, None]  # [..., k, N]
+    indices = (at_slot.long() * torch.arange(x.shape[-1], device=x.device)).sum(-1)
+    return x.gather(-1, indices).movedim(-1, dim), indices.movedim(-1, dim)
+
+
+def _topk_by_rank(gm: fx.GraphModule) -> None:
+    """Route the graph's `topk` calls (DeepSeek-V3's and Qwen3-MoE's expert routers) through
+    `topk_by_rank`: the model's function is unchanged, and no sort reaches the exported graphs
+    (torch-mlir could not lower DeepSeek-V3's unsorted topk either)."""
     for node in gm.graph.nodes:
-        if (node.op, node.target) not in (("call_function", torch.topk), ("call_method", "topk")):
-            continue
-        if len(node.args) > 4:  # topk(input, k, dim, largest, sorted)
-            node.args = (*node.args[:4], True, *node.args[5:])
-        elif "sorted" in node.kwargs:
-            node.kwargs = {**node.kwargs, "sorted": True}
+        if (node.op, node.target) in (("call_function", torch.topk), ("call_method", "topk")):
+            node.op, node.target = "call_function", topk_by_rank
 
 
 def layout_for(model: nn.Module, captured: Captured, config: Config, max_context: int) -> CacheLayout:

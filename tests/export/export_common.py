@@ -3,10 +3,8 @@ and Mid pages occur."""
 
 import importlib
 
-import numpy as np
 import torch
 
-import kvtopo
 from kvtopo.config import Config
 from kvtopo.runtime.host_runner import HostRunner
 
@@ -26,24 +24,38 @@ CONFIG = Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=Non
                 prefill_chunk_size=64)
 
 
+# The runtimes that execute the ONNX files (the MLIR runs on IREE: test_iree.py).
+ONNX_RUNTIMES = ("onnxruntime", "openvino")
+
+
 def assert_host_runner_matches_session(model, export_dir, config: Config, prompt: int, new: int,
-                                       runtime: str = "onnxruntime") -> HostRunner:
-    """Greedy generation of `new` tokens after a random `prompt`-token prompt through `runtime`
-    (HostRunner over `export_dir`) and through the compiled model in a PyTorch session agree:
-    same tokens, logits within 2e-3, the same KV bytes held (the session's free pool slots
-    aside). Returns the runner, for checks of what it holds."""
+                                       runtimes=ONNX_RUNTIMES) -> dict[str, HostRunner]:
+    """Greedy generation of `new` tokens after a random `prompt`-token prompt through each of
+    `runtimes` (HostRunner over `export_dir`) and through the compiled model in a PyTorch session
+    agree: same tokens, logits within 2e-3, the same KV bytes held (the session's free pool slots
+    aside). Returns the runners by runtime, for checks of what they hold."""
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
-    runner = HostRunner(export_dir, runtime=runtime)
-    tokens, logits = runner.generate(ids[0].numpy(), new, return_logits=True)
-    kvtopo.compile(model, inductor=False)
-    assert runner.config == config.replace(refit_after=None, eviction_scope="page")  # what the graphs do
-    with kvtopo.session(runner.config) as session:
-        ref_tokens, ref_logits = kvtopo.generate(model, ids, new, return_logits=True)
-        stats = session.stats()
-    assert tokens.tolist() == ref_tokens[0].tolist()
-    # float32 runtime vs PyTorch (other summation orders) over 32 steps of a random-weight
-    # model, same kept tokens on both sides: up to 1.3e-3 measured (onnxruntime, qwen3-moe).
-    error = np.abs(logits - ref_logits[0].numpy()).max()
-    assert error < 2e-3, f"{runtime}: logits differ from the session's by up to {error:.2e}"
-    assert runner.nbytes() == stats.total_bytes - stats.per_kind["free"]
-    return runner
+    runners = {}
+    for a in export_module("check").compare_with_session(model, export_dir, runtimes, ids, new):
+        assert a.runner.config == config.replace(refit_after=None, eviction_scope="page")  # what the graphs do
+        assert a.same_tokens, a.describe()
+        # float32 runtime vs PyTorch (other summation orders) over 32 steps of a random-weight
+        # model, same kept tokens on both sides: up to 1.3e-3 measured (onnxruntime, qwen3-moe).
+        assert a.max_logit_error < 2e-3, a.describe()
+        assert a.bytes_held == a.session_bytes, a.describe()
+        runners[a.runtime] = a.runner
+    return runners
+
+
+def assert_openvino_supports_every_op(paths) -> None:
+    """OpenVINO's CPU plugin takes every op of both ONNX graphs: none rejected, none left to
+    another device."""
+    import openvino as ov
+
+    core = ov.Core()
+    for graph in ("decode_step", "compressor"):
+        model = core.read_model(paths[graph])
+        ops = {op.get_friendly_name() for op in model.get_ops()}
+        supported = core.query_model(model, "CPU")
+        assert ops and ops <= set(supported), (graph, sorted(ops - set(supported))[:20])
+        assert set(supported.values()) == {"CPU"}, graph

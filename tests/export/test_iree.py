@@ -1,6 +1,6 @@
 """IREE runs the exported MLIR: both graphs compiled for llvm-cpu, driven by HostRunner (the same
-scheduler as onnxruntime), give the PyTorch session's tokens; the compressor's compiled
-dispatches compute no exponential."""
+scheduler as onnxruntime), give the PyTorch session's tokens on Llama, Qwen3-MoE and DeepSeek-V3
+(MLA); the compressor's compiled dispatches compute no exponential."""
 
 import re
 from pathlib import Path
@@ -28,16 +28,28 @@ def llama_iree(tmp_path_factory):
     return model, out, paths
 
 
-def test_iree_host_runner_matches_session(llama_iree):
-    model, out, paths = llama_iree
-    assert Path(paths["decode_step.vmfb"]).stat().st_size > 0 and Path(paths["compressor.vmfb"]).stat().st_size > 0
-    runner = assert_host_runner_matches_session(model, out, CONFIG, PROMPT, NEW, runtime="iree")
+def _assert_matches_session(model, out, config):
+    runner = assert_host_runner_matches_session(model, out, config, PROMPT, NEW, runtimes=("iree",))["iree"]
     assert runner.executor.runtime == "iree"
     # Prefill chunks of 64 and single-token steps ran through the one dynamic-token module, and
     # every phase occurred with Mid pages kept whole, partly and not at all (the compressor ran).
     assert {p.phase.value for layer in runner.layers for p in layer.pages} == {"initial", "mid", "recent", "terminal"}
     kept = [p.mid_rows for layer in runner.layers for p in layer.pages if p.mid_rows is not None]
-    assert 0 in kept and CONFIG.page_size in kept and any(0 < k < CONFIG.page_size for k in kept), kept
+    assert 0 in kept and config.page_size in kept and any(0 < k < config.page_size for k in kept), kept
+
+
+def test_iree_host_runner_matches_session(llama_iree):
+    model, out, paths = llama_iree
+    assert Path(paths["decode_step.vmfb"]).stat().st_size > 0 and Path(paths["compressor.vmfb"]).stat().st_size > 0
+    _assert_matches_session(model, out, CONFIG)
+
+
+# Qwen3-MoE: expert routers (top-k without a sort); DeepSeek-V3: MLA (latent cache, keys-only compressor).
+@pytest.mark.parametrize("name,config", [("qwen3-moe", CONFIG), ("deepseek-v3", CONFIG.replace(layer_budget_bytes=22000))])
+def test_iree_moe_and_mla_match_session(name, config, tmp_path):
+    model = zoo.build(name)
+    export_package().export_iree(model, tmp_path, config=config, max_context=PROMPT + NEW)
+    _assert_matches_session(model, tmp_path, config)
 
 
 def _dispatch_sources(out: Path, graph: str) -> dict[str, str]:

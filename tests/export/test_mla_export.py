@@ -1,4 +1,4 @@
-"""MLA (DeepSeek-V3) export: onnxruntime + HostRunner against the PyTorch session, the keys-only
+"""MLA (DeepSeek-V3) export: onnxruntime and OpenVINO (HostRunner) against the PyTorch session, the keys-only
 page compressor against the runtime's shared-value Mid segment, and a clear refusal of models
 mixing MLA and plain attention layers."""
 
@@ -13,7 +13,8 @@ from kvtopo.runtime.codecs import MidSegment, fit_bases
 from kvtopo.runtime.layer_cache import best_tokens
 from kvtopo.runtime.policies import ScoreInputs, make_policy
 
-from export_common import CONFIG, assert_host_runner_matches_session, export_module, export_package
+from export_common import (CONFIG, assert_host_runner_matches_session, assert_openvino_supports_every_op, export_module,
+                           export_package)
 
 PROMPT, NEW = 256, 32
 LATENT, ROPE = 32, 8  # the deepseek-v3 zoo model's kv_lora_rank and qk_rope_head_dim
@@ -39,17 +40,19 @@ def test_mla_host_runner_matches_session(which, tmp_path):
     assert inputs["exact_k_0"][0] == 1 and inputs["exact_k_0"][2] == LATENT + ROPE, inputs["exact_k_0"]
     assert not [n for n in inputs if n.startswith(("exact_v", "recent_v", "mid_v", "value_"))]
     assert [o.name for o in decode.graph.output] == ["logits", "new_k_0", "new_k_1", "queries_0", "queries_1"]
+    if which == "default":
+        assert_openvino_supports_every_op(paths)
 
-    runner = assert_host_runner_matches_session(model, tmp_path, config, PROMPT, NEW)
-    pages = [p for layer in runner.layers for p in layer.pages]
-    assert {p.phase.value for p in pages} == {"initial", "mid", "recent", "terminal"}
-    kept = [p.mid_rows for p in pages if p.mid_rows is not None]
-    if which == "lossless":
-        assert all(p.keys is not None for p in pages)  # nothing encoded
-    else:
-        assert any(p.recent is not None and p.recent.values is None for p in pages)  # int8 keys only
-    if which == "budget":
-        assert 0 in kept and config.page_size in kept and any(0 < k < config.page_size for k in kept), kept
+    for runner in assert_host_runner_matches_session(model, tmp_path, config, PROMPT, NEW).values():
+        pages = [p for layer in runner.layers for p in layer.pages]
+        assert {p.phase.value for p in pages} == {"initial", "mid", "recent", "terminal"}
+        kept = [p.mid_rows for p in pages if p.mid_rows is not None]
+        if which == "lossless":
+            assert all(p.keys is not None for p in pages)  # nothing encoded
+        else:
+            assert any(p.recent is not None and p.recent.values is None for p in pages)  # int8 keys only
+        if which == "budget":
+            assert 0 in kept and config.page_size in kept and any(0 < k < config.page_size for k in kept), kept
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,7 @@ def test_mla_decode_step_lowers_without_kvtopo_ops(mla_mlir_files, output_type):
         text = open(mla_mlir_files[f"{graph}.{output_type}"]).read()
         assert f"func.func @{graph}(" in text
         assert "kvtopo" not in text
+        assert not re.search(r"torch\.aten\.(sort|topk)|stablehlo\.sort|tm_tensor\.sort", text)  # routers: topk_by_rank
         if output_type != "torch":
             assert "torch.aten" not in text and "torch.operator" not in text
     # Inputs: ids, positions, lengths and 10 tensors per layer (latent + RoPE key cache, no values).

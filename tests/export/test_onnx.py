@@ -1,4 +1,5 @@
-"""ONNX export: onnxruntime + HostRunner against the PyTorch session, and the exp-free compressor."""
+"""ONNX export: onnxruntime and OpenVINO (HostRunner) against the PyTorch session, every op of
+both graphs supported by OpenVINO's CPU device, and the exp-free compressor."""
 
 import onnx
 import onnx.inliner
@@ -14,7 +15,8 @@ from kvtopo.runtime.layer_cache import best_tokens
 from kvtopo.runtime.host_runner import HostRunner
 from kvtopo.runtime.policies import ScoreInputs, make_policy
 
-from export_common import CONFIG, assert_host_runner_matches_session, export_module, export_package
+from export_common import (CONFIG, assert_host_runner_matches_session, assert_openvino_supports_every_op, export_module,
+                           export_package)
 
 EXPONENTIAL_OPS = {"Exp", "Softmax", "LogSoftmax", "Sigmoid", "Tanh", "Erf"}
 PROMPT, NEW = 256, 32
@@ -44,13 +46,12 @@ def test_host_runner_matches_session(name, tmp_path):
     for key in ("decode_step", "compressor"):
         onnx.checker.check_model(onnx.load(paths[key]), full_check=True)
         assert not any(op.domain not in ("", "ai.onnx") for op in onnx.load(paths[key]).opset_import)
+    assert_openvino_supports_every_op(paths)
 
-    runner = assert_host_runner_matches_session(model, tmp_path, CONFIG, PROMPT, NEW)
-    # Every phase really occurred, eviction kept some Mid pages whole, some partly, some not at all.
-    phases = {p.phase.value for layer in runner.layers for p in layer.pages}
-    assert phases == {"initial", "mid", "recent", "terminal"}
-    kept = [p.mid_rows for layer in runner.layers for p in layer.pages if p.mid_rows is not None]
-    assert 0 in kept and CONFIG.page_size in kept and any(0 < k < CONFIG.page_size for k in kept), kept
+    runners = assert_host_runner_matches_session(model, tmp_path, CONFIG, PROMPT, NEW)
+    for runner in runners.values():
+        assert_every_phase_and_partial_eviction(runner)
+    runner = runners["onnxruntime"]
     # The graphs hold one basis set per layer: the export records no refits, and a config that
     # would refit within the exported max_context is refused rather than run differently.
     assert runner.config.refit_after is None
@@ -60,6 +61,14 @@ def test_host_runner_matches_session(name, tmp_path):
     assert runner.config.eviction_scope == "page"
     with pytest.raises(ValueError, match="eviction_scope"):
         HostRunner(tmp_path, config=CONFIG.replace(refit_after=None, eviction_scope="append"))
+
+
+def assert_every_phase_and_partial_eviction(runner):
+    """Every phase really occurred; eviction kept some Mid pages whole, some partly, some not at all."""
+    phases = {p.phase.value for layer in runner.layers for p in layer.pages}
+    assert phases == {"initial", "mid", "recent", "terminal"}, runner.executor.runtime
+    kept = [p.mid_rows for layer in runner.layers for p in layer.pages if p.mid_rows is not None]
+    assert 0 in kept and CONFIG.page_size in kept and any(0 < k < CONFIG.page_size for k in kept), kept
 
 
 @pytest.fixture(scope="module")
