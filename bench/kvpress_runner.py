@@ -97,8 +97,18 @@ def make_press(name: str, nominal: float):
 
 
 def tokenizer_for_kvzip(model, tokenizer, work: Path) -> None:
-    """KVzipPress loads the tokenizer from `model.config.name_or_path`; a GGUF model has none there."""
+    """KVzipPress loads the tokenizer from `model.config.name_or_path`; a GGUF model has none there.
+    Saved as is, transformers 5.2 reloads it as a CodeLlamaTokenizer that maps most text to <unk>;
+    its tokenizer.json read as a plain fast tokenizer encodes like the original (checked)."""
     tokenizer.save_pretrained(work)
+    config_path = work / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config))
+    reloaded = transformers.AutoTokenizer.from_pretrained(work)
+    probe = "Repeat the previous context exactly.\n\n<|im_end|>\n<|im_start|>assistant\n"
+    if reloaded(probe, add_special_tokens=False).input_ids != tokenizer(probe, add_special_tokens=False).input_ids:
+        raise RuntimeError(f"the tokenizer saved in {work} for KVzipPress does not encode like the model's")
     model.config.name_or_path = str(work)
 
 
@@ -115,9 +125,9 @@ def main(argv=None) -> None:
     from kvtopo.models.pretrained import smollm2
 
     model, tokenizer = smollm2(getattr(torch, request["dtype"]))
-    work = Path(tempfile.mkdtemp(prefix="kvpress-tokenizer-"))
+    work = tempfile.TemporaryDirectory(prefix="kvpress-tokenizer-")  # removed when the process ends
     if "kvzip" in request["presses"]:
-        tokenizer_for_kvzip(model, tokenizer, work)
+        tokenizer_for_kvzip(model, tokenizer, Path(work.name))
     eos = request["eos"]
     methods = [("full", 1.0)] + [(p, r) for p in request["presses"] for r in request["ratios"]]
     total = len(methods) * (sum(len(e["settings"]) for e in request["examples"]) + len(request["fidelity"]))

@@ -226,6 +226,16 @@ with torch.no_grad():
         press = K.make_press(name, 4.0)
         forward = K.PressForward(model, press)
         out[name] = [type(press).__module__, converse(forward, [[ids[:150], ids[150:]]], [8], [])[0], forward.kept]
+from pathlib import Path
+import tempfile
+from kvtopo.models.pretrained import weights_path
+path = weights_path()
+tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+with tempfile.TemporaryDirectory() as work:
+    K.tokenizer_for_kvzip(model, tokenizer, Path(work))  # raises if the saved tokenizer encodes otherwise
+    out["kvzip_tokenizer"] = transformers.AutoTokenizer.from_pretrained(model.config.name_or_path)(
+        "Repeat the previous context exactly.", add_special_tokens=False).input_ids
+    out["tokenizer"] = tokenizer("Repeat the previous context exactly.", add_special_tokens=False).input_ids
 print(json.dumps(out))
 """
 
@@ -242,3 +252,4 @@ def test_kvpress_runner_presses_a_tiny_llama():
         module, answer, kept = out[name]
         assert module.startswith("kvpress.presses.") and len(answer) == 8
         assert kept == pytest.approx(0.25, abs=0.01)  # 1 - 1/4 of the 150 context tokens removed
+    assert out["kvzip_tokenizer"] == out["tokenizer"] and 0 not in out["tokenizer"]
