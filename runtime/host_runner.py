@@ -233,7 +233,8 @@ class _Layer:
             return tokens
         lay, P = self.r.layout, self.r.layout.page_size
         coming = self.r.plan.mid_pages(-(-length // P)) * P - self.mid_tokens
-        room = page_room(budget, self.nbytes() - self.page_nbytes(page), page.tokens, coming, self.r.config,
+        held = self.nbytes() - self.page_nbytes(page)
+        room = page_room(budget, held, held - self.mid_nbytes(), page.tokens, coming, self.r.config,
                          self.fp16_token_bytes)
         keep = tokens
         while keep > 0 and self.segment.page_nbytes(keep, lay.kv_heads, lay.head_dim, lay.value_head_dim) > room:
