@@ -663,19 +663,31 @@ def main(argv=None) -> dict:
 
 
 def write_lengths(args, results, rows, seconds, stem) -> dict:
+    """The measured table and cells; tasks not measured now are kept from the file when it was
+    measured the same way (dtype, examples, seeds), so one task can be measured again alone."""
     accuracy = {t: {str(r["length"]): r["accuracy"] for r in results if r["task"] == t} for t in args.tasks}
-    cells = {t: [int(n) for n, acc in accuracy[t].items() if acc >= SOLVED] for t in args.tasks}
+    meta = dict(dtype=args.dtype, examples=args.examples, seeds=[args.seed_offset, args.seed_offset + args.examples],
+                threshold=SOLVED)
+    path = args.out / f"{stem}.json"
+    runs = [dict(command=" ".join(["bench/real_quality.py"] + sys.argv[1:]), tasks=args.tasks, seconds=seconds)]
+    if path.exists() and set(args.tasks) != set(R.TASKS):
+        old = json.loads(path.read_text())
+        kept = [t for t in old["accuracy"] if t not in args.tasks]
+        if all(old["meta"].get(k) == v for k, v in meta.items()):
+            accuracy = {t: old["accuracy"][t] if t in kept else accuracy[t] for t in R.TASKS if t in kept + args.tasks}
+            rows = [r for r in old["examples"] if r["task"] in kept] + rows
+            runs = old["meta"].get("runs", []) + runs
+        else:
+            print(f"note: {path} was measured otherwise ({old['meta']}); its tasks {kept} are dropped")
+    cells = {t: sorted(int(n) for n, acc in accuracy[t].items() if acc >= SOLVED) for t in accuracy}
     print(f"\nfull cache, query-aware, {args.examples} examples per cell (seeds {args.seed_offset}+), {args.dtype}:")
     print(f"{'task':<12} " + " ".join(f"{n:>6}" for n in LENGTHS) + "   benchmarked at")
-    for t in args.tasks:
+    for t in accuracy:
         print(f"{t:<12} " + " ".join(f"{accuracy[t][str(n)]:>6.2f}" if str(n) in accuracy[t] else f"{'-':>6}"
                                      for n in LENGTHS) + f"   {cells[t]}")
-    report = dict(meta=dict(command=" ".join(["bench/real_quality.py", "--measure-lengths"]), dtype=args.dtype,
-                            examples=args.examples, seeds=[args.seed_offset, args.seed_offset + args.examples],
-                            threshold=SOLVED, seconds=seconds),
+    report = dict(meta=dict(runs=runs, **meta),
                   accuracy=accuracy, cells=cells, examples=rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{stem}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
     return report

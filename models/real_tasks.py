@@ -272,7 +272,7 @@ def _plan(task: str, rng: random.Random):
         value = (_number(rng, used) if kind == "number" else rng.choice(WORDS) if kind == "word"
                  else str(uuid.UUID(int=rng.getrandbits(128), version=4)))
         q = Question(_magic_question(kind, cities[:1]), (value,), "words" if kind == "word" else kind,
-                     48 if kind == "uuid" else 32, WORDS if kind == "word" else ())
+                     64 if kind == "uuid" else 32, WORDS if kind == "word" else ())
         return _INSTRUCTIONS["niah"].format(kind=kind), [(rng.random(), _needle(kind, cities[0], value))], [q]
     if task in ("multikey", "multiquery"):
         values = [_number(rng, used) for _ in cities]

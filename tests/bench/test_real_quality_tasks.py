@@ -253,3 +253,23 @@ def test_kvpress_runner_presses_a_tiny_llama():
         assert module.startswith("kvpress.presses.") and len(answer) == 8
         assert kept == pytest.approx(0.25, abs=0.01)  # 1 - 1/4 of the 150 context tokens removed
     assert out["kvzip_tokenizer"] == out["tokenizer"] and 0 not in out["tokenizer"]
+
+
+def test_measured_lengths_pick_solved_cells_and_merge_a_remeasured_task(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    def measure(tasks, accuracy):
+        args = SimpleNamespace(tasks=tasks, dtype="float32", examples=5, seed_offset=1000, out=tmp_path)
+        results = [dict(task=t, length=n, accuracy=a) for t in tasks for n, a in accuracy.items()]
+        rows = [dict(task=t, length=n) for t in tasks for n in accuracy]
+        return real_quality.write_lengths(args, results, rows, {"total": 1.0}, "lengths")
+
+    first = measure(list(R.TASKS), {2048: 0.8, 512: 1.0, 1024: 0.6})
+    assert first["cells"]["qa"] == [512, 2048]  # >= 0.8, in length order
+    again = measure(["qa"], {512: 0.4})
+    assert again["cells"]["qa"] == [] and again["cells"]["cwe"] == [512, 2048]
+    assert len(again["examples"]) == 3 * (len(R.TASKS) - 1) + 1 and len(again["meta"]["runs"]) == 2
+    assert json.loads((tmp_path / "lengths.json").read_text())["accuracy"]["qa"] == {"512": 0.4}
+    args = SimpleNamespace(tasks=["qa"], dtype="bfloat16", examples=5, seed_offset=1000, out=tmp_path)
+    other = real_quality.write_lengths(args, [dict(task="qa", length=512, accuracy=1.0)], [], {}, "lengths")
+    assert list(other["cells"]) == ["qa"] and "measured otherwise" in capsys.readouterr().out
