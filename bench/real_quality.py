@@ -2,7 +2,7 @@
 
     python bench/real_quality.py --measure-lengths     # 1. where the full cache solves each task
     python bench/real_quality.py                       # 2. the benchmark (long: see "Time")
-    python bench/real_quality.py --quick               # smoke run, all tasks, a few configurations
+    python bench/real_quality.py --quick               # smoke run: each task once, a few configurations
     python bench/real_quality.py --seed-offset 1000    # validation examples, for tuning (own JSON)
 
 Tasks (``models/real_tasks.py``): RULER-style retrieval written into English prose (CPython's
@@ -12,12 +12,29 @@ by code. Seeds: the benchmark uses seeds [0, 1000); ``--seed-offset 1000`` (or m
 validation examples that tuning may look at, written to ``real_quality_val*.json`` so a tuning run
 never overwrites the benchmark's results.
 
-Cells. ``--measure-lengths`` runs the full cache at 512 / 1K / 2K / 4K prompt tokens on
-validation seeds (``--examples``, default 5) and writes ``real_quality_lengths.json``; the
-benchmark then runs each task only at the lengths where the full cache scored at least 0.8.
-Measured (float32, 5 validation examples per cell; "acc" = exact-set accuracy):
+Cells. ``--measure-lengths`` runs the full cache (query-aware) at 512 / 1K / 2K / 4K prompt
+tokens on validation seeds (``--examples``, default 5), shortest first, stopping at a task's first
+length below 0.8 (longer prompts are harder), and writes ``real_quality_lengths.json``; the
+benchmark runs each task only at the lengths where the full cache scored at least 0.8. Measured
+(float32, seeds 1000-1004; ``python bench/real_quality.py --measure-lengths``, niah_uuid again
+with ``--tasks niah_uuid`` after its answers got 64 tokens instead of 48):
 
-    (filled in from bench/results/real_quality_lengths.json once measured)
+    task          512    1K    2K    4K    benchmarked at
+    niah_number  1.00  1.00  1.00  0.60   512, 1K, 2K
+    niah_word    1.00  1.00  1.00  0.40   512, 1K, 2K
+    niah_uuid    0.80  0.80  1.00  0.60   512, 1K, 2K
+    multikey     0.60     -     -     -   (not benchmarked)
+    multivalue   0.60     -     -     -
+    multiquery   0.20     -     -     -
+    vartrack     0.40     -     -     -
+    cwe          0.40     -     -     -
+    qa           0.20     -     -     -
+
+So on this 135M model only the single-needle tasks qualify, and the tasks with a second question
+(multikey, multiquery, vartrack, qa) are not among them: the benchmark's query-agnostic rows
+have first questions only until a stronger model (or easier variants) is used. Five examples per
+cell decide at a 0.8 threshold within one example; at 4K every task fails (the misses give
+another number or a token of the filler, e.g. "DEDENT", "starred_list").
 
 Settings.
 * ``aware``: the whole prompt -- document and question -- in one prefill chunk; every policy
@@ -42,8 +59,8 @@ Dtype. The runtime stores exact pages in the model's dtype and ``ratio_vs_fp16``
 really held, while budgets (``target_ratio``) are set against fp16. A float32 model therefore
 holds exact pages at twice their fp16 cost: the full cache shows ~0.5x, and every evicting policy
 must evict more to meet the same nominal budget. bfloat16 (the default) is the honest setting, as
-deployed; float32 runs ~4-5x faster on these CPUs (a 1,024-token forward: ~9 s vs ~44 s, one
-thread) and is what ``--quick`` and ``--measure-lengths`` use. The JSON records the dtype.
+deployed; float32 runs ~4-5x faster on these CPUs (a 1,024-token forward took 9-13 s vs 44-50 s,
+one thread) and is what ``--quick`` and ``--measure-lengths`` use. The JSON records the dtype.
 
 kvpress side by side (``bench/kvpress_runner.py``, in its own venv: ``make kvpress-env``; kvpress
 0.5.5 needs transformers < 5.3). The same token ids, the same conversation and greedy loop
@@ -56,20 +73,33 @@ dtype; the question, the answers and the second turn stay uncompressed. kvtopo c
 pages age, prefill and decode alike, and besides evicting it quantizes and projects (Recent pages
 8-bit, Mid pages per policy), so it keeps more tokens per byte; it reports the bytes it holds,
 kvpress reports the kept fraction. Tables and plots put kvpress at ``1 / kept`` (an fp16 cache
-of the kept tokens, metadata-free: its best case), marked "~".
+of the kept tokens, metadata-free: its best case), marked "~". kvpress's own use is the agnostic
+setting (context compressed, question not); in the aware one its presses see the question, and
+at short prompts SnapKV's 64-token window (always kept, counted in the budget) can take the
+whole budget: at 512 tokens and 1/8 kept it holds little but the question. KVzip in kvpress
+keeps every token and masks the evicted ones per head from attention; ``kept`` counts what
+attention still sees.
 
-Fidelity: on prose (``real_tasks.natural_text``, raw text without the chat template) of 2K / 4K /
-8K tokens, the full cache's greedy 64-token continuation is teacher-forced through every
-configuration: ``kl`` = mean KL(full || compressed) of the next-token distributions, ``agree`` =
-share of the 64 positions where the compressed cache's greedy token is the full cache's.
+Fidelity: on prose (``real_tasks.natural_text``, raw text without the chat template; seeds as
+the examples', ``--fidelity-texts`` per length) of 2K / 4K / 8K tokens (8,128 + 64 fills the
+model's 8,192 positions), the full cache's greedy 64-token continuation is teacher-forced, one
+token per step after a one-chunk prefill, through every configuration: ``kl`` = mean KL(full ||
+compressed) of the next-token distributions, ``agree`` = share of the 64 positions where the
+compressed cache's greedy token is the full cache's. kvpress compresses the prefix in its
+prefill and its "full" row is its own reference; its agreement with kvtopo's full continuation is
+the check that both environments run the same model.
 
 Output: ``bench/results/real_quality[_quick|_val].json``, a printed table, per task
 ``real_quality[...]_<task>.png`` (accuracy vs achieved ratio, one column per length, rows
 aware / agnostic) and ``real_quality[...]_fidelity.png``.
 
-Time (float32, one thread, 2 shared cores): a 512-token example with one configuration is a few
-seconds, a 4K one about a minute; the default run (20 examples, ~30 configurations, two
-settings, kvpress's 7 presses x 4 ratios) is days of CPU here -- run it where there is more.
+Time (float32, one thread, 2 cores shared with other work; per conversation, after the first
+two calls compile): about 10 s at 512 tokens, 15 s at 1K, 30 s at 2K, 60 s at 4K (mostly the
+decode steps); loading the model takes ~40-60 s per process, compiling ~3 min. ``--quick`` took
+8.5 minutes (``meta.seconds``). The default run -- 3 tasks x 3 lengths x 20 examples x 2
+settings x ~28 configurations -- is ~50 hours of kvtopo sessions in float32 here and about four
+times that in bfloat16, and kvpress's 29 methods as much again: run it on a bigger machine, or
+narrow it (``--policies``, ``--ratios``, ``--lengths``, ``--presses``, ``--examples``).
 """
 
 from __future__ import annotations
@@ -368,8 +398,8 @@ def plot(results: list[dict], fidelity: list[dict], tasks: list[str], out: Path,
 
     methods = sorted({(r["system"], r["method"]) for r in results + fidelity if r["method"] != "(request)"},
                      key=lambda k: _order((*k, 0)))
-    cmap = plt.get_cmap("tab20")
-    colors = {m: cmap(i % 20) for i, m in enumerate(methods)}
+    colors = {m: plt.get_cmap("tab10")(POLICIES.index(m[1]) % 10) if m[0] == "kvtopo" else
+              "black" if m[1] == "full" else plt.get_cmap("Dark2")(PRESSES.index(m[1]) % 8) for m in methods}
     log2 = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x")
 
     def curve(ax, rows, key, method, style):
