@@ -96,7 +96,7 @@ aware / agnostic) and ``real_quality[...]_fidelity.png``.
 Time (float32, one thread, 2 cores shared with other work; per conversation, after the first
 two calls compile): about 10 s at 512 tokens, 15 s at 1K, 30 s at 2K, 60 s at 4K (mostly the
 decode steps); loading the model takes ~40-60 s per process, compiling ~3 min. ``--quick`` took
-8.5 minutes (``meta.seconds``). The default run -- 3 tasks x 3 lengths x 20 examples x 2
+8.5-9 minutes in two runs (``meta.seconds``). The default run -- 3 tasks x 3 lengths x 20 examples x 2
 settings x ~28 configurations -- is ~50 hours of kvtopo sessions in float32 here and about four
 times that in bfloat16, and kvpress's 29 methods as much again: run it on a bigger machine, or
 narrow it (``--policies``, ``--ratios``, ``--lengths``, ``--presses``, ``--examples``).
