@@ -69,9 +69,8 @@ def page_room(budget: float, held: float, fixed: float, tokens: int, mid_tokens_
     wrong answers): each Mid page gets its own tokens' share, the session holds more than asked
     and says so (`stats().budget_missed`, the achieved ratio). As the sequence grows the fixed
     pages weigh less, the floor falls with them and the budget is met once they take under
-    half of it. On SmolLM2-135M (~740 tokens, target 8x, float32 exact pages, 4-bit Mid codes
-    without projection) a fixed floor of half the share found a needle 2 times in 4 at 3.0x;
-    the full share 4 times in 4 at 2.6x. A byte budget stays a hard cap.
+    half of it (bench/needle_configs.py shows what this keeps on a real model). A byte budget
+    stays a hard cap.
     """
     room = (budget - held) * tokens / max(mid_tokens_coming, tokens)
     if config.over_budget == "evict" and config.target_ratio is not None and config.layer_budget_bytes is None:
@@ -416,7 +415,7 @@ class LayerCache:
         phases = [self.plan.phase(i, count) for i in range(count) if i not in moving]
         recent = sum(phase is Phase.RECENT for phase in phases)
         exact = sum(phase in (Phase.INITIAL, Phase.TERMINAL) for phase in phases)
-        held = sum(m.nbytes for m in self._epochs(entry)) + self._metadata_nbytes(entry)
+        held = self._mid_nbytes(entry) + self._metadata_nbytes(entry)
         return held + exact * self.pool.page_nbytes + (recent * self._recent_page_nbytes() if recent else 0)
 
     def _recent_page_nbytes(self) -> int:
