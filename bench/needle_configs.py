@@ -14,7 +14,9 @@ digits. Float32 model compiled without Inductor. Each row: needles found and the
 Measured here (4 examples, prompts 717-774 tokens): full 4/4 at 0.48x; default (projection at 0.9
 energy, 4-bit, 8x) 0/4 at 2.34x; default without eviction 2/4 at 2.31x; projection at 0.99 energy
 without eviction 4/4 at 1.84x; 4-bit codes without projection, without eviction 4/4 at 2.13x, at 8x
-4/4 at 2.64x. Prompts of 2,039-2,058 tokens: default 2/4 at 4.68x, no projection at 8x 3/4 at 5.11x.
+4/4 at 2.64x; a full-rank basis (1.0 energy: a rotation, per-direction 4-bit statistics for keys and
+values, the bases' float16 columns held) without eviction 4/4 at 1.75x, at 8x 3/4 at 2.17x (one digit
+lost). Prompts of 2,039-2,058 tokens: default 2/4 at 4.68x, no projection at 8x 3/4 at 5.11x.
 ``--ranks`` on example 0's prose with the needle in the middle (748 tokens), mean rank of 64 dims over 30 layers x 3 kv-heads at
 0.9 / 0.95 / 0.99 energy: keys 35.4 / 44.5 / 57.1, values 41.3 / 50.1 / 60.4.
 """
@@ -39,6 +41,8 @@ CONFIGS = {
     "energy-0.99-no-eviction": kvtopo.Config(target_ratio=None, key_energy=0.99, value_energy=0.99),
     "no-projection-no-eviction": kvtopo.Config(target_ratio=None, **NO_PROJECTION),
     "no-projection-8x": kvtopo.Config(**NO_PROJECTION),
+    "energy-1.0-no-eviction": kvtopo.Config(target_ratio=None, key_energy=1.0, value_energy=1.0),
+    "energy-1.0-8x": kvtopo.Config(key_energy=1.0, value_energy=1.0),
 }
 
 
