@@ -67,3 +67,72 @@ def test_checkpoint_directory_exports_and_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "onnxruntime: same tokens as the PyTorch session over 4 new tokens" in out
+
+
+def _write_tiny_gguf(path, vocab=300, hidden=64, ffn=128, layers=2, heads=4, kv_heads=2) -> dict:
+    """A 2-layer Llama as a GGUF file (float32 tensors, a byte-level tokenizer: 256 byte tokens and
+    special ones, no merges), as llama.cpp's `gguf` package writes it; returns its tensors."""
+    import numpy as np
+    from gguf import GGUFWriter
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    rng = np.random.default_rng(0)
+    head_dim = hidden // heads
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_name("tiny")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    specials = ["<|endoftext|>"] + [f"<extra_{i}>" for i in range(vocab - 257)]
+    writer.add_tokenizer_model("gpt2")
+    byte_token = bytes_to_unicode()
+    writer.add_token_list([byte_token[b] for b in range(256)] + specials)  # a byte's id is its value
+    writer.add_token_types([1] * 256 + [3] * len(specials))
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(256)
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    for i in range(layers):
+        shapes.update({f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+                       f"blk.{i}.attn_q.weight": (heads * head_dim, hidden),
+                       f"blk.{i}.attn_k.weight": (kv_heads * head_dim, hidden),
+                       f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden),
+                       f"blk.{i}.attn_output.weight": (hidden, heads * head_dim),
+                       f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
+                       f"blk.{i}.ffn_down.weight": (hidden, ffn)})
+    tensors = {name: (rng.standard_normal(shape) * (1.0 if len(shape) == 1 else 0.1)).astype(np.float32)
+               for name, shape in shapes.items()}
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tensors
+
+
+def test_gguf_file_exports_and_runs(tmp_path, capsys):
+    """A .gguf path loads through transformers' gguf_file= (the file's own weights and tokenizer),
+    exports, and the smoke run on prose gives the PyTorch session's tokens."""
+    import numpy as np
+
+    from kvtopo.models import pretrained
+
+    gguf = tmp_path / "tiny.gguf"
+    tensors = _write_tiny_gguf(gguf)
+    model, tokenizer = pretrained.load_checkpoint(gguf)
+    np.testing.assert_array_equal(model.model.embed_tokens.weight.detach().numpy(), tensors["token_embd.weight"])
+    assert tokenizer("Hi").input_ids == [ord("H"), ord("i")]
+    code = main(["export", "onnx", str(gguf), "--out", str(tmp_path / "out"), "--max-context", "96",
+                 "--target", "onnxruntime", "--smoke-prompt", "64", "--smoke-tokens", "8"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "onnxruntime: same tokens as the PyTorch session over 8 new tokens" in out
