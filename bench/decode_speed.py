@@ -15,7 +15,7 @@ one the same decode query and new token are timed through:
                     GQA folded into query rows (q [1, Hkv, G, d] vs k/v [1, Hkv, L, d]) — the
                     fastest dense formulation here (enable_gqa=True measured slower);
   dense bf16 SDPA   the same in bfloat16;
-  kvtopo <config>   `kvtopo.kernels.fast_decode.attend_cache`: gathers the stored codes
+  kvtopo <config>   `kvtopo.runtime.decode_view.attend_cache`: gathers the stored codes
                     (exact pages + new token, int8 Recent, packed Mid codes) and runs the CPU
                     path (fused C kernel over the Mid codes), end to end per layer.
 
@@ -48,7 +48,9 @@ import torch
 import torch.nn.functional as F
 
 import kvtopo
-from kvtopo.kernels import fast_decode
+from kvtopo.kernels import cpu_decode
+from kvtopo.kernels.decode_reference import reference_decode
+from kvtopo.runtime import decode_view
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HQ, HKV, D = 32, 8, 128
@@ -115,7 +117,7 @@ def main() -> None:
     k_new, v_new = keys[:, longest:].clone(), values[:, longest:].clone()
     q = torch.randn(HQ, D) * 0.3
     qg = q.reshape(1, HKV, HQ // HKV, D)
-    c_kernel = fast_decode.c_kernel_available()
+    c_kernel = cpu_decode.c_kernel_available()
     rows = []
     sessions = {name: kvtopo.session(cfg) for name, cfg in CONFIGS.items()}
     held = {name: 0 for name in CONFIGS}
@@ -150,9 +152,9 @@ def main() -> None:
                 held[name] = length
                 caches[name] = cache
                 stats = s.stats()
-                out = fast_decode.attend_cache(cache, 0, q[:, None], k_new, v_new, SCALE)[:, 0]
-                segs = fast_decode.decode_segments(cache, 0, k_new, v_new)
-                stored = fast_decode.reference_decode(q, segs, SCALE)
+                out = decode_view.attend_cache(cache, 0, q[:, None], k_new, v_new, SCALE)[:, 0]
+                segs = decode_view.decode_segments(cache, 0, k_new, v_new)
+                stored = reference_decode(q, segs, SCALE)
                 row[name] = {
                     "ratio_vs_fp16": stats.ratio_vs_fp16,
                     "bytes_held": stats.total_bytes,
@@ -162,7 +164,7 @@ def main() -> None:
                     "rel_err_vs_float64_on_stored": rel_err(out, stored),
                     "build_s": time.perf_counter() - build,
                 }
-                methods[f"kvtopo_{name}"] = (lambda c=cache: fast_decode.attend_cache(c, 0, q[:, None], k_new, v_new, SCALE))
+                methods[f"kvtopo_{name}"] = (lambda c=cache: decode_view.attend_cache(c, 0, q[:, None], k_new, v_new, SCALE))
             times = {m: [] for m in methods}
             for fn in methods.values():  # warm-up
                 fn()

@@ -62,7 +62,7 @@ def copy_bandwidth(device) -> float:
 
 
 def make_segments(length: int, rank: int, bits: int, device, seed: int):
-    from kvtopo.kernels.fast_decode import DecodeSegments, MidCodes, RecentCodes
+    from kvtopo.kernels.decode_inputs import DecodeSegments, MidCodes, RecentCodes
     from kvtopo.kernels.quant import quantize
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -140,7 +140,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench/gpu_kernels.py needs a CUDA device and none is available "
                  "(torch.cuda.is_available() is False): nothing was measured.")
-    from kvtopo.kernels.fast_decode import reference_decode
+    from kvtopo.kernels.decode_reference import reference_decode
     from kvtopo.kernels.triton_decode import triton_decode_attention
 
     device = torch.device("cuda")
@@ -215,7 +215,7 @@ def dry_run() -> None:
     import os
 
     os.environ["TRITON_INTERPRET"] = "1"
-    from kvtopo.kernels.fast_decode import reference_decode
+    from kvtopo.kernels.decode_reference import reference_decode
     from kvtopo.kernels.triton_decode import triton_decode_attention
 
     for coding, (rank, bits) in CODINGS.items():

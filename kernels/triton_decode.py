@@ -3,7 +3,7 @@
 Entry: ``triton_decode_attention(q [Hq, d], segs: DecodeSegments, scale, out=None, softcap=None)
 -> [Hq, dv]``
 (``kernels.fast_decode.decode_attention`` dispatches CUDA tensors here). The segments are what
-the runtime stores (see ``fast_decode.DecodeSegments``):
+the runtime stores (see ``decode_inputs.DecodeSegments``):
 
 * exact K/V [Hkv, N0, d] (any float dtype)            -> ``_dense_split_kernel`` (QUANT=False)
 * Recent codes (packed b-bit, keys per page/channel,
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fast_decode import DecodeSegments, MidCodes, RecentCodes
+from .decode_inputs import DecodeSegments, MidCodes, RecentCodes
 from .compressed_attention import partial_dense, partial_lowrank
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -17,10 +17,10 @@ import torch
 
 from kvtopo.config import Config
 from kvtopo.kernels.compressed_attention import merge_partials, partial_dense, partial_lowrank
-from kvtopo.kernels.fast_decode import attend_cache
 from kvtopo.kernels.reference import chunk_causal_mask, grouped_attention
 
 from . import context
+from .decode_view import attend_cache
 from .layer_cache import LayerCache, Segments
 from .policies import make_policy
 

@@ -1,7 +1,7 @@
 """The float32 error bound both decode-kernel tests (C and Triton) check against float64; its
 derivation is in tests/kernels/test_triton_decode.py's docstring."""
 
-from kvtopo.kernels.fast_decode import explicit_kv
+from kvtopo.kernels.decode_reference import explicit_kv
 
 U = 2.0**-24  # float32 unit roundoff
 

@@ -12,17 +12,22 @@ Palu: float coefficients, full: exact only).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvtopo
-from kvtopo.kernels import fast_decode
+from kvtopo.kernels import cpu_decode, fast_decode
 from kvtopo.kernels.compressed_attention import merge_partials, partial_dense
+from kvtopo.kernels.decode_reference import reference_decode
+from kvtopo.runtime import decode_view
 from kvtopo.runtime.session import _history_partials
 
 from decode_bound import error_bound
+from segments import synthetic_segments
 
 
 @st.composite
@@ -47,13 +52,29 @@ def segment_cases(draw):
 
 
 def test_c_kernel_builds():
-    assert fast_decode.c_kernel_available(), "no C compiler? the CPU path falls back to torch (slow)"
+    assert cpu_decode.c_kernel_available(), "no C compiler? the CPU path falls back to torch (slow)"
+
+
+def test_build_failure_warns_once_with_the_compiler_error(tmp_path, monkeypatch):
+    broken = tmp_path / "broken_kernel.cpp"
+    broken.write_text("int main() { return undeclared_name; }\n")
+    monkeypatch.setattr(cpu_decode, "SOURCE", broken)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))  # leaves the real build alone
+    cpu_decode._build.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"(?s)broken_kernel\.cpp failed.*undeclared_name"):
+            assert cpu_decode.mid_kernel() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cpu_decode.mid_kernel() is None  # reported once, not per call
+    finally:
+        cpu_decode._build.cache_clear()
 
 
 @settings(max_examples=60, deadline=None)
 @given(case=segment_cases(), threads=st.sampled_from([1, 2]))
 def test_cpu_path_matches_float64_reference(case, threads):
-    segs = fast_decode.synthetic_segments(**case)
+    segs = synthetic_segments(**case)
     g = torch.Generator().manual_seed(case["seed"] + 1)
     q = torch.randn(case["kv_heads"] * case["group"], case["dk"], generator=g)
     scale = case["dk"] ** -0.5
@@ -65,18 +86,18 @@ def test_cpu_path_matches_float64_reference(case, threads):
     finally:
         torch.set_num_threads(before)
     assert torch.isfinite(out).all()
-    ref = fast_decode.reference_decode(q, segs, scale)
+    ref = reference_decode(q, segs, scale)
     err = (out.double() - ref).abs().max().item()
     assert err <= error_bound(q, segs, scale), (err, error_bound(q, segs, scale))
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_fallback_equals_c_kernel(bits, monkeypatch):
-    segs = fast_decode.synthetic_segments(kv_heads=2, group=4, mid_page_rows=(8, 1, 0, 7) * 5, mid_bits=bits, seed=bits)
+    segs = synthetic_segments(kv_heads=2, group=4, mid_page_rows=(8, 1, 0, 7) * 5, mid_bits=bits, seed=bits)
     q = torch.randn(8, 64)
-    fast = fast_decode.cpu_decode_attention(q, segs, 0.125)
-    monkeypatch.setattr(fast_decode, "_library", lambda: None)
-    slow = fast_decode.cpu_decode_attention(q, segs, 0.125)
+    fast = cpu_decode.cpu_decode_attention(q, segs, 0.125)
+    monkeypatch.setattr(cpu_decode, "mid_kernel", lambda: None)
+    slow = cpu_decode.cpu_decode_attention(q, segs, 0.125)
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5 * slow.abs().max().item())
 
 
@@ -103,9 +124,9 @@ def test_attend_cache_equals_session_decode_step(name):
             q, kn, vn = torch.randn(hq, 1, d), torch.randn(hkv, 1, d), torch.randn(hkv, 1, d)
             segments = cache.segments(0)
             ref = merge_partials(_history_partials(q, segments, d**-0.5, None) + [partial_dense(q, kn, vn, d**-0.5)])
-            out = fast_decode.attend_cache(cache, 0, q, kn, vn, d**-0.5)
+            out = decode_view.attend_cache(cache, 0, q, kn, vn, d**-0.5)
             assert out.shape == (hq, 1, d)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
             s.attend("l", q[None], kn[None], vn[None], None, d**-0.5)
         if name == "topo":
-            assert fast_decode.decode_segments(cache, 0).mid is not None
+            assert decode_view.decode_segments(cache, 0).mid is not None

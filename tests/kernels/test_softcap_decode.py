@@ -22,14 +22,16 @@ import pytest
 import torch
 
 import kvtopo
-from kvtopo.kernels import fast_decode
+from kvtopo.kernels import cpu_decode, fast_decode
 from kvtopo.kernels.compressed_attention import merge_partials, partial_dense
-from kvtopo.kernels.fast_decode import explicit_kv
+from kvtopo.kernels.decode_reference import explicit_kv
 from kvtopo.models import zoo
+from kvtopo.runtime import decode_view
 from kvtopo.runtime import session as session_mod
 from kvtopo.runtime.session import _history_partials
 
 from decode_bound import U, error_bound
+from segments import synthetic_segments
 
 CAPS = (5.0, 20.0, 50.0)
 Q_GAIN = 10.0  # logits up to ~40 on these segments: even cap=50 moves the output by ~0.1
@@ -61,14 +63,14 @@ SEGMENTS = {
 
 
 def _case(name, seed):
-    segs = fast_decode.synthetic_segments(**SEGMENTS[name], seed=seed)
+    segs = synthetic_segments(**SEGMENTS[name], seed=seed)
     hq = SEGMENTS[name]["kv_heads"] * SEGMENTS[name]["group"]
     q = Q_GAIN * torch.randn(hq, 64, generator=torch.Generator().manual_seed(seed + 1))
     return segs, q, 64**-0.5
 
 
 def test_c_kernel_is_used():
-    assert fast_decode.c_kernel_available(), "no C compiler: these tests would only check the torch fallback"
+    assert cpu_decode.c_kernel_available(), "no C compiler: these tests would only check the torch fallback"
 
 
 @pytest.mark.parametrize("name", SEGMENTS)
@@ -107,9 +109,9 @@ def test_softcap_none_is_uncapped(name):
 @pytest.mark.parametrize("softcap", CAPS)
 def test_torch_fallback_softcap_equals_c_kernel(softcap, monkeypatch):
     segs, q, scale = _case("mid-only", seed=3)
-    fast = fast_decode.cpu_decode_attention(q, segs, scale, softcap=softcap)
-    monkeypatch.setattr(fast_decode, "_library", lambda: None)
-    slow = fast_decode.cpu_decode_attention(q, segs, scale, softcap=softcap)
+    fast = cpu_decode.cpu_decode_attention(q, segs, scale, softcap=softcap)
+    monkeypatch.setattr(cpu_decode, "mid_kernel", lambda: None)
+    slow = cpu_decode.cpu_decode_attention(q, segs, scale, softcap=softcap)
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5 * slow.abs().max().item())
 
 
@@ -130,14 +132,14 @@ def test_attend_cache_softcap_equals_session_reference():
     with kvtopo.session(cfg) as s:
         s.attend("l", torch.randn(1, hq, n, d), k[None], v[None], None, d**-0.5, softcap=cap)
         cache = s.layers["l"]
-        assert fast_decode.decode_segments(cache, 0).mid is not None
+        assert decode_view.decode_segments(cache, 0).mid is not None
         for _ in range(3):
             q, kn, vn = 8 * torch.randn(hq, 1, d), torch.randn(hkv, 1, d), torch.randn(hkv, 1, d)
             parts = _history_partials(q, cache.segments(0), d**-0.5, cap)
             ref = merge_partials(parts + [partial_dense(q, kn, vn, d**-0.5, softcap=cap)])
             uncapped = merge_partials(_history_partials(q, cache.segments(0), d**-0.5, None)
                                       + [partial_dense(q, kn, vn, d**-0.5)])
-            out = fast_decode.attend_cache(cache, 0, q, kn, vn, d**-0.5, softcap=cap)
+            out = decode_view.attend_cache(cache, 0, q, kn, vn, d**-0.5, softcap=cap)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
             assert (uncapped - ref).abs().max().item() > 1e-2
             s.attend("l", q[None], kn[None], vn[None], None, d**-0.5, softcap=cap)
@@ -182,7 +184,7 @@ def _decode(compiled, config, ids, attend):
     try:
         with kvtopo.session(config) as s:
             tokens, logits = kvtopo.generate(compiled, ids, STEPS, return_logits=True)
-            coded = sum(fast_decode.decode_segments(cache, 0).mid is not None for cache in s.layers.values())
+            coded = sum(decode_view.decode_segments(cache, 0).mid is not None for cache in s.layers.values())
     finally:
         mp.undo()
     return tokens, logits, calls, coded
@@ -195,7 +197,7 @@ CONFIGS = {
 
 
 def _fast_path_without_cap(cache, seq, q, k, v, scale, softcap=None):
-    return fast_decode.attend_cache(cache, seq, q, k, v, scale)
+    return decode_view.attend_cache(cache, seq, q, k, v, scale)
 
 
 @pytest.mark.parametrize("q_gain", [1.0, 30.0])
@@ -205,7 +207,7 @@ def test_gemma2_fast_path_equals_reference_path(name, q_gain):
     config = CONFIGS[name]()
     ids = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        tokens, logits, calls, coded = _decode(compiled, config, ids, fast_decode.attend_cache)
+        tokens, logits, calls, coded = _decode(compiled, config, ids, decode_view.attend_cache)
         ref_tokens, ref_logits, ref_calls, _ = _decode(compiled, config, ids, _reference_attend_cache)
     # the two global layers take the fast path at every decode step, with Gemma-2's cap
     assert set(calls) == {50.0} and len(calls) == 2 * (STEPS - 1), calls

@@ -20,9 +20,9 @@ if not PREIMPORTED:
 import pytest
 import torch
 
-from kvtopo.kernels import fast_decode
-from kvtopo.kernels import triton_decode
+from kvtopo.kernels import cpu_decode, triton_decode
 
+from segments import synthetic_segments
 from test_softcap_decode import CAPS, SEGMENTS, capped_attention_f64, capped_bound
 
 in_process = pytest.mark.skipif(PREIMPORTED, reason="triton was imported without the interpreter: "
@@ -52,15 +52,15 @@ CASES = {  # interpreter-sized versions of the C tests' segments
 def test_triton_softcap_equals_torch_reference(name, softcap, splits, monkeypatch):
     monkeypatch.setattr(triton_decode, "POISON_SCRATCH", True)
     monkeypatch.setattr(triton_decode, "FORCE_SPLITS", splits)
-    segs = fast_decode.synthetic_segments(**CASES[name], seed=13)
+    segs = synthetic_segments(**CASES[name], seed=13)
     q = 10.0 * torch.randn(CASES[name]["kv_heads"] * CASES[name]["group"], 64,
                            generator=torch.Generator().manual_seed(14))
     scale = 64**-0.5
     out = torch.full((q.shape[0], 64), float("nan"))
     triton_decode.triton_decode_attention(q, segs, scale, out=out, softcap=softcap)
     assert torch.isfinite(out).all()
-    monkeypatch.setattr(fast_decode, "_library", lambda: None)
-    torch_ref = fast_decode.cpu_decode_attention(q, segs, scale, softcap=softcap)
+    monkeypatch.setattr(cpu_decode, "mid_kernel", lambda: None)
+    torch_ref = cpu_decode.cpu_decode_attention(q, segs, scale, softcap=softcap)
     torch.testing.assert_close(out, torch_ref, rtol=1e-5, atol=1e-5 * torch_ref.abs().max().item())
     ref = capped_attention_f64(q, segs, scale, softcap)
     bound = capped_bound(q, segs, scale, softcap)
@@ -71,7 +71,7 @@ def test_triton_softcap_equals_torch_reference(name, softcap, splits, monkeypatc
 
 @in_process
 def test_triton_softcap_none_is_uncapped():
-    segs = fast_decode.synthetic_segments(**CASES["all-phases"], seed=2)
+    segs = synthetic_segments(**CASES["all-phases"], seed=2)
     q = 10.0 * torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
     plain = triton_decode.triton_decode_attention(q, segs, 0.125)
     assert torch.equal(triton_decode.triton_decode_attention(q, segs, 0.125, softcap=None), plain)

@@ -35,11 +35,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtopo.kernels import fast_decode
 from kvtopo.kernels import triton_decode
+from kvtopo.kernels.decode_reference import reference_decode
 from kvtopo.kernels.quant import quantize
+from kvtopo.runtime import decode_view
 
 from decode_bound import error_bound
+from segments import synthetic_segments
 
 in_process = pytest.mark.skipif(PREIMPORTED, reason="triton was imported without the interpreter: "
                                 "covered by test_in_fresh_interpreter_process")
@@ -94,13 +96,13 @@ def run_kernel(q, segs, scale):
 @given(case=segment_cases(), splits=st.sampled_from([None, 1, 3, 7]))
 def test_kernels_match_float64_reference(case, splits, poisoned, monkeypatch):
     monkeypatch.setattr(triton_decode, "FORCE_SPLITS", splits)
-    segs = fast_decode.synthetic_segments(**case)
+    segs = synthetic_segments(**case)
     g = torch.Generator().manual_seed(case["seed"] + 1)
     q = torch.randn(case["kv_heads"] * case["group"], case["dk"], generator=g)
     scale = case["dk"] ** -0.5
     out = run_kernel(q, segs, scale)
     assert torch.isfinite(out).all(), "some output element was not written"
-    ref = fast_decode.reference_decode(q, segs, scale)
+    ref = reference_decode(q, segs, scale)
     err = (out.double() - ref).abs().max().item()
     assert err <= error_bound(q, segs, scale), (err, error_bound(q, segs, scale))
 
@@ -109,11 +111,11 @@ def test_kernels_match_float64_reference(case, splits, poisoned, monkeypatch):
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_single_mid_page_only(bits, poisoned):
     """Only a Mid segment of one page (odd row count), every bit width."""
-    segs = fast_decode.synthetic_segments(kv_heads=2, group=4, dk=64, dv=64, exact=0, recent_pages=0,
+    segs = synthetic_segments(kv_heads=2, group=4, dk=64, dv=64, exact=0, recent_pages=0,
                                           mid_page_rows=(7,), mid_bits=bits, seed=bits)
     q = torch.randn(8, 64)
     out = run_kernel(q, segs, 0.125)
-    ref = fast_decode.reference_decode(q, segs, 0.125)
+    ref = reference_decode(q, segs, 0.125)
     assert (out.double() - ref).abs().max().item() <= error_bound(q, segs, 0.125)
 
 
@@ -121,14 +123,14 @@ def test_single_mid_page_only(bits, poisoned):
 def test_empty_splits_write_zero_weight(poisoned, monkeypatch):
     """More splits than token blocks: the empty splits must write lse=-inf and 0, not garbage."""
     monkeypatch.setattr(triton_decode, "FORCE_SPLITS", 9)
-    segs = fast_decode.synthetic_segments(kv_heads=1, group=4, exact=3, recent_pages=1, page_size=4,
+    segs = synthetic_segments(kv_heads=1, group=4, exact=3, recent_pages=1, page_size=4,
                                           mid_page_rows=(2, 1))
     q = torch.randn(4, 64)
     o, lse = triton_decode.dense_partial(q, *segs.exact, 0.125)
     assert o.shape[1] == 9 and torch.isfinite(o).all()
     assert torch.isinf(lse[:, 1:]).all() and (o[:, 1:] == 0).all()
     out = run_kernel(q, segs, 0.125)
-    ref = fast_decode.reference_decode(q, segs, 0.125)
+    ref = reference_decode(q, segs, 0.125)
     assert (out.double() - ref).abs().max().item() <= error_bound(q, segs, 0.125)
 
 
@@ -155,7 +157,7 @@ def test_matches_runtime_store(chunks):
             start = end
         cache = s.layers["l"]
         q, kn, vn = torch.randn(hq, 1, d), torch.randn(hkv, 1, d), torch.randn(hkv, 1, d)
-        segs = fast_decode.decode_segments(cache, 0, kn, vn)
+        segs = decode_view.decode_segments(cache, 0, kn, vn)
         assert segs.mid is not None and segs.recent is not None
         assert len(segs.retired) == (len(chunks) > 1)
         out = run_kernel(q[:, 0], segs, d**-0.5)

@@ -1,0 +1,171 @@
+"""What one decode step of one sequence-layer attends to, as plain tensors: exact K/V, Recent
+codes and Mid codes exactly as the store keeps them (nothing decoded). The runtime builds these
+(runtime/decode_view.py); the decode kernels (kernels/cpu_decode.py, kernels/triton_decode.py)
+and the float64 reference (kernels/decode_reference.py) read them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .compressed_attention import LowRankHeads
+from .quant import Quantized, dequantize
+
+
+@dataclass(frozen=True, eq=False)
+class RecentCodes:
+    """Recent pages of one sequence-layer, codes as stored (packed along the last dim).
+
+    k_codes [Hkv, Nr, ceil(dk*bits/8)] uint8 with per-page per-channel statistics
+    k_scale/k_offset [Hkv, Nr // page_size, dk]; v_codes [Hkv, Nr, ceil(dv*bits/8)] with
+    per-token statistics v_scale/v_offset [Hkv, Nr]. Statistics float32. Recent pages are always
+    full pages (only the last page of a sequence is partial, and it is Terminal), so token t's
+    key statistics are row t // page_size.
+    """
+
+    k_codes: Tensor
+    k_scale: Tensor
+    k_offset: Tensor
+    v_codes: Tensor
+    v_scale: Tensor
+    v_offset: Tensor
+    bits: int
+    page_size: int
+    dk: int
+    dv: int
+
+    @classmethod
+    def from_pages(cls, pages: list[tuple[Quantized, Quantized]], page_size: int) -> RecentCodes:
+        """Stack Recent pages, each (keys quantized per channel, values quantized per token):
+        a small copy, nothing decoded."""
+        keys, values = [k for k, _ in pages], [v for _, v in pages]
+        return cls(
+            torch.cat([k.codes for k in keys], 1), torch.cat([k.scale.float() for k in keys], 1),
+            torch.cat([k.offset.float() for k in keys], 1), torch.cat([v.codes for v in values], 1),
+            torch.cat([v.scale.float()[..., 0] for v in values], 1),
+            torch.cat([v.offset.float()[..., 0] for v in values], 1),
+            keys[0].bits, page_size, keys[0].length, values[0].length)
+
+    @property
+    def tokens(self) -> int:
+        return self.k_codes.shape[1]
+
+    def decode(self) -> tuple[Tensor, Tensor]:
+        """float32 keys [Hkv, Nr, dk] and values [Hkv, Nr, dv] (reference/fallback only)."""
+        k_scale = self.k_scale.repeat_interleave(self.page_size, 1)[:, : self.tokens]
+        k_offset = self.k_offset.repeat_interleave(self.page_size, 1)[:, : self.tokens]
+        k = dequantize(Quantized(self.k_codes, k_scale, k_offset, self.bits, self.dk))
+        v = dequantize(Quantized(self.v_codes, self.v_scale[..., None], self.v_offset[..., None], self.bits, self.dv))
+        return k, v
+
+
+@dataclass(frozen=True, eq=False)
+class MidCodes:
+    """A projected Mid segment, codes as stored.
+
+    k_rows [N, ceil(Ck*k_bits/8)] uint8, codes of all kv-heads side by side (head h's columns
+    are k_starts[h] .. k_starts[h] + k_ranks[h]), first code in the low bits; k_scale/k_offset
+    [Pm, Ck] float32, one statistics row per page that kept rows; row_stat [N] int32: the
+    statistics row of each code row. Values alike. Bases: k_vectors [Hkv, dk, Rk] (zero beyond
+    each head's rank), k_mean [Hkv, dk]; v_vectors [Hkv, dv, Rv], v_mean [Hkv, dv], float32.
+    k_starts/k_ranks/v_starts/v_ranks: int32 [Hkv].
+    """
+
+    k_rows: Tensor
+    k_scale: Tensor
+    k_offset: Tensor
+    k_bits: int
+    k_starts: Tensor
+    k_ranks: Tensor
+    k_vectors: Tensor
+    k_mean: Tensor
+    v_rows: Tensor
+    v_scale: Tensor
+    v_offset: Tensor
+    v_bits: int
+    v_starts: Tensor
+    v_ranks: Tensor
+    v_vectors: Tensor
+    v_mean: Tensor
+    row_stat: Tensor
+
+    @property
+    def tokens(self) -> int:
+        return self.k_rows.shape[0]
+
+    def decode(self) -> tuple[LowRankHeads, LowRankHeads]:
+        """Dequantized coefficients as LowRankHeads (reference/fallback only)."""
+        idx = self.row_stat.long()
+        sides = []
+        for rows, scale, offset, bits, starts, ranks, vectors, mean in (
+            (self.k_rows, self.k_scale, self.k_offset, self.k_bits, self.k_starts, self.k_ranks,
+             self.k_vectors, self.k_mean),
+            (self.v_rows, self.v_scale, self.v_offset, self.v_bits, self.v_starts, self.v_ranks,
+             self.v_vectors, self.v_mean)):
+            width = scale.shape[1]
+            flat = dequantize(Quantized(rows, scale[idx], offset[idx], bits, width))  # [N, C]
+            heads, _, r_pad = vectors.shape
+            padded = flat.new_zeros(heads, flat.shape[0], r_pad)
+            for h in range(heads):
+                s, r = int(starts[h]), int(ranks[h])
+                padded[h, :, :r] = flat[:, s: s + r]
+            sides.append(LowRankHeads(padded, vectors.float(), mean.float()))
+        return sides[0], sides[1]
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeSegments:
+    """Everything one decode step of one sequence-layer attends to.
+
+    exact: (keys [Hkv, N0, dk], values [Hkv, N0, dv]) — Initial/Terminal pages plus the step's
+    new token (any float dtype); recent: RecentCodes; mid: MidCodes (projected, quantized);
+    mid_other: Mid stored another way (baseline policies: dense (keys, values) or float
+    coefficients as (LowRankHeads, LowRankHeads)) attended by the torch reference;
+    retired: earlier Mid epochs (topo refits its bases as the sequence grows), each MidCodes or,
+    uncoded, (LowRankHeads, LowRankHeads). Any of them may be None/empty (an empty phase).
+    """
+
+    exact: tuple[Tensor, Tensor] | None = None
+    recent: RecentCodes | None = None
+    mid: MidCodes | None = None
+    mid_other: tuple | None = None
+    mid_other_projected: bool = False
+    retired: tuple = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a decode step reads: exact K/V, Recent codes + statistics, Mid codes +
+        statistics + row index + bases (the torch-reference fallback segment counted as held)."""
+        tensors = list(self.exact or ())
+        coded = [self.recent, self.mid] + [e for e in self.retired if isinstance(e, MidCodes)]
+        for part in coded:
+            if part is not None:
+                tensors += [v for v in vars(part).values() if isinstance(v, Tensor)]
+        uncoded = list(self.mid_other or ()) + [s for e in self.retired if not isinstance(e, MidCodes) for s in e]
+        for side in uncoded:
+            tensors += [side.coefficients, side.vectors, side.mean] if isinstance(side, LowRankHeads) else [side]
+        return sum(t.nbytes for t in tensors)
+
+    @property
+    def kv_heads(self) -> int:
+        for t in (self.exact and self.exact[0], self.recent and self.recent.k_codes,
+                  self.mid and self.mid.k_vectors):
+            if t is not None:
+                return t.shape[0]
+        if self.mid_other is not None:
+            first = self.mid_other[0]
+            return (first.vectors if isinstance(first, LowRankHeads) else first).shape[0]
+        raise ValueError("DecodeSegments holds no segment")
+
+
+def rank_columns(ranks) -> tuple[Tensor, Tensor]:
+    """(starts, ranks) int32 [Hkv] of each head's columns in a Mid code row (heads side by side)."""
+    r = torch.tensor(ranks, dtype=torch.int32)
+    return torch.cumsum(r, 0, dtype=torch.int32) - r, r
+
+
+def check_softcap(softcap: float | None) -> None:
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive (or None), got {softcap}")

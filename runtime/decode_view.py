@@ -1,0 +1,97 @@
+"""The store's data as the decode kernels' inputs: DecodeSegments of one sequence-layer of a
+``LayerCache`` (exact pages, Recent codes, Mid codes as stored: gathered, not decoded), and the
+decode step ``Session._attend_one`` runs on them (``attend_cache``)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+
+from kvtopo.kernels.decode_inputs import DecodeSegments, MidCodes, RecentCodes, rank_columns
+from kvtopo.kernels.fast_decode import decode_attention
+
+from .codecs import CodedRows, MidSegment
+from .layer_cache import LayerCache
+
+_STAT_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _row_stat(coded: CodedRows) -> Tensor:
+    """[N] int32 statistics row of every Mid code row, from page_rows (cached per buffer size)."""
+    hit = _STAT_CACHE.get(coded)
+    if hit is not None and hit[0] == coded.count:
+        return hit[1]
+    counts = coded.page_rows[coded.page_rows > 0].long()
+    idx = torch.repeat_interleave(torch.arange(counts.numel()), counts).to(torch.int32)
+    idx = idx.to(coded.rows.device)
+    _STAT_CACHE[coded] = (coded.count, idx)
+    return idx
+
+
+_F32_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _stats_f32(coded: CodedRows) -> tuple[Tensor, Tensor]:
+    """float32 (scale, offset) of a CodedRows (stored float16), converted once per append."""
+    hit = _F32_CACHE.get(coded)
+    if hit is not None and hit[0] == coded.count and hit[1] is coded.scale:
+        return hit[2]
+    pair = (coded.scale.float().contiguous(), coded.offset.float().contiguous())
+    _F32_CACHE[coded] = (coded.count, coded.scale, pair)
+    return pair
+
+
+def mid_codes(mid: MidSegment) -> MidCodes | None:
+    """MidCodes view of a ``MidSegment`` that is projected and quantized (else None)."""
+    e = mid.encoding
+    if mid.tokens == 0 or not (e.project and e.key_bits and e.value_bits):
+        return None
+    dev = mid.keys.rows.device
+    ks, kr = rank_columns(mid.key_bases.ranks)
+    vs, vr = rank_columns(mid.value_bases.ranks)
+    return MidCodes(
+        mid.keys.rows, *_stats_f32(mid.keys), e.key_bits, ks.to(dev), kr.to(dev),
+        mid.key_bases.vectors.float(), mid.key_bases.mean.float(),
+        mid.values.rows, *_stats_f32(mid.values), e.value_bits, vs.to(dev), vr.to(dev),
+        mid.value_bases.vectors.float(), mid.value_bases.mean.float(), _row_stat(mid.keys))
+
+
+def decode_segments(cache: LayerCache, seq: int, k_new: Tensor | None = None, v_new: Tensor | None = None) -> DecodeSegments:
+    """DecodeSegments of sequence ``seq`` in a ``LayerCache``, plus the step's new
+    k/v [Hkv, 1, d] appended to the exact segment (the new token sees itself)."""
+    entry = cache.sequences.get(seq)
+    exact = None
+    if entry is not None and entry.length:
+        exact_pages = [p for p in entry.pages if p.slot is not None]
+        if exact_pages:
+            pool = cache.pool
+            ks = [pool.keys[p.slot, :, : p.tokens] for p in exact_pages]
+            vs = [pool.values[p.slot, :, : p.tokens] for p in exact_pages]
+            exact = (torch.cat(ks, 1), torch.cat(vs, 1))
+    if k_new is not None:
+        exact = (k_new, v_new) if exact is None else (torch.cat([exact[0], k_new], 1), torch.cat([exact[1], v_new], 1))
+    if entry is None:
+        return DecodeSegments(exact=exact)
+    recent_pages = [(p.recent.keys, p.recent.values) for p in entry.pages if p.recent is not None]
+    recent = RecentCodes.from_pages(recent_pages, cache.config.page_size) if recent_pages else None
+    mid = other = None
+    if entry.mid is not None and entry.mid.tokens:
+        mid = mid_codes(entry.mid)
+        if mid is None:
+            other = entry.mid.attention_inputs()
+    retired = tuple(mid_codes(m) or m.attention_inputs() for m in entry.retired if m.tokens)
+    return DecodeSegments(exact, recent, mid, other, cache.mid_encoding.project, retired)
+
+
+def attend_cache(cache: LayerCache, seq: int, q: Tensor, k_new: Tensor, v_new: Tensor, scale: float,
+                 softcap: float | None = None) -> Tensor:
+    """Decode step of ``Session._attend_one``: q [Hq, 1, d] over the stored history of ``seq``
+    plus k_new/v_new [Hkv, 1, d]; returns [Hq, 1, dv] in q's dtype. ``softcap``: logits are
+    ``softcap * tanh(logits / softcap)`` (None: uncapped). Does not store the token (the caller
+    still calls ``cache.observe``/``cache.append``)."""
+    if q.shape[1] != 1:
+        raise ValueError(f"attend_cache is for decode steps (one query token), got {q.shape[1]}")
+    segs = decode_segments(cache, seq, k_new, v_new)
+    return decode_attention(q[:, 0], segs, scale, softcap=softcap)[:, None].to(q.dtype)
