@@ -33,12 +33,10 @@ from .compressed_attention import merge_partials, partial_dense, partial_lowrank
 from .decode_inputs import DecodeSegments, MidCodes, check_softcap
 
 SOURCE = Path(__file__).with_name("csrc") / "mid_decode.cpp"
-# -ffast-math without -ffinite-math-only: the kernel starts its running max at -INFINITY, which
-# finite-math mode is allowed to miscompile. Reassociation lets the compiler vectorize the dots.
+# The parts of -ffast-math the kernel can take: not -ffinite-math-only, under which its running
+# max starting at -INFINITY may be miscompiled. Reassociation lets the compiler vectorize the dots.
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-ffp-contract=fast"]
-# The vector expf the source declares on x86-64 glibc lives in libmvec.
-LDFLAGS = ["-lmvec"] if platform.machine() == "x86_64" and platform.libc_ver()[0] == "glibc" else []
 ROWS_PER_SPLIT = 1024  # a split's logits stay in L2
 
 
@@ -71,10 +69,12 @@ def _build():
         return None
     from torch.utils import cpp_extension
 
+    # The vector expf the source declares on x86-64 glibc lives in libmvec.
+    ldflags = ["-lmvec"] if platform.machine() == "x86_64" and platform.libc_ver()[0] == "glibc" else []
     try:
         # cpp_extension rebuilds when the source or flags change; the name separates CPUs.
         return cpp_extension.load(name=f"kvtopo_mid_decode_{_cpu_identity()}", sources=[str(SOURCE)],
-                                  extra_cflags=CFLAGS, extra_ldflags=LDFLAGS)
+                                  extra_cflags=CFLAGS, extra_ldflags=ldflags)
     except (OSError, RuntimeError, ImportError) as error:
         warnings.warn(f"kvtopo: building the CPU decode kernel {SOURCE.name} failed, so Mid segments use the "
                       f"torch reference (slower, same result):\n{error}", RuntimeWarning, stacklevel=3)
