@@ -21,6 +21,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +70,7 @@ def _build():
         return None
     from torch.utils import cpp_extension
 
+    _put_ninja_on_path()
     # The vector expf the source declares on x86-64 glibc lives in libmvec.
     ldflags = ["-lmvec"] if platform.machine() == "x86_64" and platform.libc_ver()[0] == "glibc" else []
     try:
@@ -79,6 +81,17 @@ def _build():
         warnings.warn(f"kvtopo: building the CPU decode kernel {SOURCE.name} failed, so Mid segments use the "
                       f"torch reference (slower, same result):\n{error}", RuntimeWarning, stacklevel=3)
         return None
+
+
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the `ninja` package (a dependency) installs it in the
+    environment's bin directory, which is not on PATH when a script runs as .venv/bin/python."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return  # the build fails and says that ninja is missing
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def c_kernel_available() -> bool:

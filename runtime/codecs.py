@@ -100,6 +100,41 @@ def fit_bases(x: torch.Tensor, energy: float) -> HeadBases:
 
 
 # -- Mid segment ---------------------------------------------------------------------------------
+class GrowingRows:
+    """Rows appended along dim 0 into preallocated capacity, grown by an eighth (at least the
+    rows added), so appending N rows copies O(N) bytes in all, not O(N^2) as re-concatenating
+    the history per append would. `tensor` is a view of the rows held (None before the first);
+    the view object changes only when rows are appended, so readers may cache by identity.
+    `nbytes` counts the rows held, the bytes the budget plans with; the spare capacity behind
+    them (at most an eighth more, and none until the buffer holds eight appends) is allocator
+    slack, the price of amortised growth, and is not counted.
+    A float16 buffer widens to float32 if appended rows need it (quantization statistics)."""
+
+    def __init__(self):
+        self._buffer: torch.Tensor | None = None
+        self.tensor: torch.Tensor | None = None
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.tensor)
+
+    def append(self, rows: torch.Tensor) -> None:
+        if self._buffer is not None and self._buffer.dtype != rows.dtype:
+            wide = torch.promote_types(self._buffer.dtype, rows.dtype)
+            self._buffer, rows = self._buffer.to(wide), rows.to(wide)
+        needed = self.length + rows.shape[0]
+        if self._buffer is None or needed > self._buffer.shape[0]:
+            capacity = max(needed, 0 if self._buffer is None else self._buffer.shape[0] * 9 // 8)
+            grown = rows.new_empty(capacity, *rows.shape[1:])
+            if self.length:
+                grown[: self.length] = self._buffer[: self.length]
+            self._buffer = grown
+        self._buffer[self.length: needed] = rows
+        self.length = needed
+        self.tensor = self._buffer[:needed]
+
+
 class CodedRows:
     """One side (keys or values) of a sequence-layer's Mid segment, stored contiguously.
 
@@ -111,33 +146,37 @@ class CodedRows:
 
     def __init__(self, bits: int | None, per_row_stats: bool, float_dtype: torch.dtype):
         self.bits, self.per_row_stats, self.float_dtype = bits, per_row_stats, float_dtype
-        self.rows: torch.Tensor | None = None
-        self.scale: torch.Tensor | None = None
-        self.offset: torch.Tensor | None = None
-        self.page_rows = torch.empty(0, dtype=torch.int32)  # rows contributed by each page
+        self._rows, self._scale, self._offset = GrowingRows(), GrowingRows(), GrowingRows()
+        self._page_rows = GrowingRows()  # rows contributed by each page (0: evicted whole)
+        self._page_rows.append(torch.empty(0, dtype=torch.int32))
         self.length = 0  # last-dim length before packing
+
+    rows = property(lambda self: self._rows.tensor)
+    scale = property(lambda self: self._scale.tensor)
+    offset = property(lambda self: self._offset.tensor)
+    page_rows = property(lambda self: self._page_rows.tensor)
 
     @property
     def count(self) -> int:
-        return 0 if self.rows is None else self.rows.shape[0]
+        return self._rows.length
 
     @property
     def nbytes(self) -> int:
-        return sum(_nbytes(t) for t in (self.rows, self.scale, self.offset)) + self.page_rows.nbytes
+        return sum(part.nbytes for part in (self._rows, self._scale, self._offset, self._page_rows))
 
     def append(self, x: torch.Tensor) -> None:
         """Append one page's rows x [n, ...] (n may be 0: the page was evicted entirely)."""
-        self.page_rows = torch.cat([self.page_rows, torch.tensor([x.shape[0]], dtype=torch.int32)])
+        self._page_rows.append(torch.tensor([x.shape[0]], dtype=torch.int32))
         if x.shape[0] == 0:
             return
         self.length = x.shape[-1]
         if not self.bits:
-            self.rows = _grow(self.rows, x.to(self.float_dtype))
+            self._rows.append(x.to(self.float_dtype))
             return
         q = quantize(x, self.bits, reduce_dim=-1 if self.per_row_stats else 0)
-        self.rows = _grow(self.rows, q.codes)
-        self.scale = _grow(self.scale, q.scale)
-        self.offset = _grow(self.offset, q.offset)
+        self._rows.append(q.codes)
+        self._scale.append(q.scale)
+        self._offset.append(q.offset)
 
     def decode(self) -> torch.Tensor:
         """All rows as float32 [N, ...]."""
@@ -149,16 +188,6 @@ class CodedRows:
             scale = scale.repeat_interleave(repeats, dim=0)
             offset = offset.repeat_interleave(repeats, dim=0)
         return dequantize(Quantized(self.rows, scale, offset, self.bits, self.length))
-
-
-def _grow(buffer: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
-    """Append rows; a float16 buffer widens to float32 if a page's statistics needed it."""
-    if buffer is None:
-        return rows.clone()
-    if buffer.dtype != rows.dtype:
-        wide = torch.promote_types(buffer.dtype, rows.dtype)
-        buffer, rows = buffer.to(wide), rows.to(wide)
-    return torch.cat([buffer, rows])
 
 
 class MidSegment:

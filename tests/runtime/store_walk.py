@@ -3,13 +3,17 @@ LayerCache.nbytes (what the accounting tests compare stats() against)."""
 
 import torch
 
+from kvtopo.runtime.codecs import GrowingRows
+
 
 def held_tensor_bytes(cache) -> int:
     seen, total = set(), 0
 
     def add(t):
         nonlocal total
-        if isinstance(t, torch.Tensor) and id(t) not in seen:
+        if isinstance(t, GrowingRows):  # the rows held; the spare capacity is not counted (see its docstring)
+            add(t.tensor)
+        elif isinstance(t, torch.Tensor) and id(t) not in seen:
             seen.add(id(t))
             total += t.nbytes
         elif hasattr(t, "__dataclass_fields__"):
