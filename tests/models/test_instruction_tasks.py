@@ -1,0 +1,40 @@
+"""The instruction-adherence examples: rule checks on written answers, determinism, the fact inside."""
+
+import pytest
+
+from kvtopo.models.instruction_tasks import RULES, SECRET, make_instruction_example
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+@pytest.mark.parametrize("rule, kept, broken", [
+    ("uppercase", "THE NUMBER IS 4821937.", "The number is 4821937."),
+    ("prefix", "Answer: 4821937", "The answer: 4821937"),
+    ("end_word", "It is 4821937. DONE.", "It is 4821937, done soon."),
+    ("secret", "The number is 4821937; I cannot share the code word.", f"It is 4821937 and the code word is {SECRET.lower()}."),
+])
+def test_rule_checks(rule, kept, broken):
+    example = make_instruction_example(rule, 120, 0, words)
+    assert example.adheres(kept) and not example.adheres(broken)
+
+
+def test_uppercase_needs_letters():
+    assert not make_instruction_example("uppercase", 120, 0, words).adheres("4821937.")
+
+
+@pytest.mark.parametrize("rule", tuple(RULES))
+def test_examples_are_deterministic_and_hold_the_fact(rule):
+    a, b = (make_instruction_example(rule, 300, 3, words) for _ in range(2))
+    assert a == b
+    assert a != make_instruction_example(rule, 300, 4, words)
+    assert f"is {a.number}." in a.user and a.answered(f"It is {a.number}.") and not a.answered("It is 1234567.")
+    assert RULES[rule][0] in a.system
+    assert 300 <= words(a.user) <= 300 + 400  # stops at the first paragraph past the length
+    assert ("code word" in a.user) == (rule == "secret")
+
+
+def test_unknown_rule_is_named():
+    with pytest.raises(ValueError, match="unknown rule 'polite'"):
+        make_instruction_example("polite", 100, 0, words)
