@@ -1,17 +1,19 @@
 """Exported decode step on each runtime (onnxruntime, OpenVINO, IREE) vs the PyTorch eager session.
 
-A zoo model (llama by default; deepseek-v3 for MLA, whose cache is the latent + RoPE key), default
-Config (topo policy, 8x target) as exported (refit_after=None, eviction_scope="page"; the session
-runs the same), contexts 1K and 4K: prefill by chunks, then the median latency of single-token
-decode steps. Runtimes: HostRunner.forward (the decode-step graph plus the host's cache
-bookkeeping and any page transition that step, run by the compressor graph) over the ONNX files
-(onnxruntime, OpenVINO on CPU) or the IREE modules compiled from the MLIR (llvm-cpu, host CPU).
-PyTorch: the model compiled with backend="kvtopo" (inductor off: eager) inside a kvtopo session.
-Quoted as ratios to the PyTorch session measured in one run (shared, noisy machines); the KV
-bytes each runtime holds are printed next to the session's (they must be equal).
+Models as `kvtopo export` names them: zoo names, `smollm2` (SmolLM2-135M-Instruct, the project's
+real model, float32) or a checkpoint / GGUF path; llama and smollm2 by default. Default Config
+(topo policy, 8x target) as exported (refit_after=None, eviction_scope="page"; the session runs
+the same), contexts 1K and 4K: prefill by chunks, then the median latency of single-token decode
+steps. The prompt is prose from models/real_tasks.py for a model with a tokenizer, random ids for
+zoo models. Runtimes: HostRunner.forward (the decode-step graph plus the host's cache bookkeeping
+and any page transition that step, run by the compressor graph) over the ONNX files (onnxruntime,
+OpenVINO on CPU) or the IREE modules compiled from the MLIR (llvm-cpu, host CPU). PyTorch: the
+model compiled with backend="kvtopo" (inductor off: eager) inside a kvtopo session. Quoted as
+ratios to the PyTorch session measured in the same run (shared, noisy machines); the KV bytes
+each runtime holds are printed next to the session's (they must be equal).
 
-    python bench/export.py [--model llama|deepseek-v3|...] [--steps 16] [--runtimes onnxruntime openvino iree]
-                           [--out bench/results/export.json]
+    python bench/export.py [--models llama smollm2 ...] [--contexts 1024 4096] [--steps 16]
+                           [--runtimes onnxruntime openvino iree] [--out bench/results/export.json]
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+RUNTIMES = ("onnxruntime", "openvino", "iree")
+THREADS = 2
 
 
 def _export_pkg():
@@ -39,48 +43,42 @@ def _export_pkg():
     return kx
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama", help="zoo model name")
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--runtimes", nargs="+", default=["onnxruntime", "openvino", "iree"],
-                    choices=["onnxruntime", "openvino", "iree"])
-    ap.add_argument("--out", default=None, help="default: bench/results/export.json (llama), export_<model>.json")
-    args = ap.parse_args()
-    torch.set_num_threads(2)
-
+def bench_model(name: str, contexts: list[int], steps: int, runtimes: list[str]) -> dict:
+    """One model's rows: export (timed), then per context the session's and each runtime's
+    median decode-step latency and the KV bytes each holds."""
     import kvtopo
     from kvtopo.config import Config
-    from kvtopo.models import zoo
+    from kvtopo.export.cli import load_model, prompt_ids
     from kvtopo.runtime.host_runner import HostRunner
 
     kx = _export_pkg()
     config = Config()
-    model = zoo.build(args.model)
-    out_path = Path(args.out or ROOT / "bench/results" / ("export.json" if args.model == "llama"
-                                                           else f"export_{args.model}.json"))
-    max_context = max(args.contexts) + args.steps + 8
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(name)
+    load_s = round(time.perf_counter() - t0, 1)
+    max_context = max(contexts) + steps + 8
     dirs = {"onnx": Path(tempfile.mkdtemp(prefix="kvtopo_export_bench_onnx_")),
             "iree": Path(tempfile.mkdtemp(prefix="kvtopo_export_bench_iree_"))}
     export_s, paths = {}, {}
-    for kind in ("onnx", "iree") if "iree" in args.runtimes else ("onnx",):
+    for kind in ("onnx", "iree") if "iree" in runtimes else ("onnx",):
         t0 = time.perf_counter()
         export = kx.export_onnx if kind == "onnx" else kx.export_iree
         paths.update(export(model, dirs[kind], config=config, max_context=max_context))
         export_s[kind] = round(time.perf_counter() - t0, 1)
+        print(f"{name}: {'export_onnx' if kind == 'onnx' else 'export_iree (MLIR + IREE compile)'} "
+              f"{export_s[kind]:.0f} s", flush=True)
     sizes = {Path(p).name: Path(p).stat().st_size for p in paths.values()}
-    runners = {rt: HostRunner(dirs["iree" if rt == "iree" else "onnx"], runtime=rt, threads=2) for rt in args.runtimes}
+    runners = {rt: HostRunner(dirs["iree" if rt == "iree" else "onnx"], runtime=rt, threads=THREADS) for rt in runtimes}
     exported = next(iter(runners.values())).config
     kvtopo.compile(model, inductor=False)
 
     def decode_ms(forward, ids, ctx):
-        """Prefill `ids` by chunks, then the median ms of `args.steps` greedy single-token steps."""
+        """Prefill `ids` by chunks, then the median ms of `steps` greedy single-token steps."""
         chunk = config.prefill_chunk_size
         for s in range(0, ctx, chunk):
             logits = forward(ids[s:s + chunk], s)
         times = []
-        for i in range(args.steps):
+        for i in range(steps):
             token = int(np.argmax(logits[-1]))
             t = time.perf_counter()
             logits = forward(np.array([token]), ctx + i)
@@ -94,14 +92,14 @@ def main() -> None:
         return out.logits[0].numpy()
 
     rows = []
-    for ctx in args.contexts:
-        ids = torch.randint(0, model.config.vocab_size, (ctx,), generator=torch.Generator().manual_seed(ctx)).numpy()
+    for ctx in contexts:
+        ids = prompt_ids(model, tokenizer, ctx, seed=ctx)[0].numpy()
         with kvtopo.session(exported) as session:  # what the exported graphs do
             pt_ms = decode_ms(session_forward, ids, ctx)
             stats = session.stats()
         row = {"context": ctx, "pytorch_eager_session_ms": round(pt_ms, 3),
                "session_kv_bytes": stats.total_bytes - stats.per_kind.get("free", 0)}
-        line = f"context {ctx:5d}: pytorch eager session {pt_ms:8.2f} ms/step"
+        line = f"{name} context {ctx:5d}: pytorch eager session {pt_ms:8.2f} ms/step"
         for rt, runner in runners.items():
             runner.reset()
             ms = decode_ms(lambda chunk, start, r=runner: r.forward(chunk), ids, ctx)
@@ -112,11 +110,30 @@ def main() -> None:
         print(line)
         held = {rt: row[f"{rt}_kv_bytes"] for rt in runners}
         print(f"  KV bytes held: session {row['session_kv_bytes']}, " + ", ".join(f"{k} {v}" for k, v in held.items()))
-    for name, size in sizes.items():
-        print(f"{name:20s} {size / 1e6:8.3f} MB")
-    result = {"model": f"{args.model} (zoo)", "config": "Config() defaults as exported (topo, target_ratio=8, page_size=32, refit_after=None, eviction_scope=page)",
-              "max_context_exported": max_context, "decode_steps_timed": args.steps,
-              "threads": 2, "export_seconds": export_s, "runtimes": args.runtimes, "decode": rows, "file_bytes": sizes}
+    for file, size in sizes.items():
+        print(f"  {file:20s} {size / 1e6:8.3f} MB")
+    return {"model": name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "prompt": "random ids" if tokenizer is None else "prose (models/real_tasks.natural_text)",
+            "max_context_exported": max_context, "load_seconds": load_s, "export_seconds": export_s,
+            "decode": rows, "file_bytes": sizes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["llama", "smollm2"],
+                    help="as `kvtopo export` takes them: zoo names, smollm2, checkpoint or GGUF paths")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--runtimes", nargs="+", default=list(RUNTIMES), choices=RUNTIMES)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/export.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(THREADS)
+
+    runs = [bench_model(name, args.contexts, args.steps, args.runtimes) for name in args.models]
+    result = {"config": "Config() defaults as exported (topo, target_ratio=8, page_size=32, refit_after=None, "
+                        "eviction_scope=page)",
+              "decode_steps_timed": args.steps, "threads": THREADS, "runtimes": args.runtimes, "runs": runs}
+    out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out_path}")
