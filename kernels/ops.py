@@ -2,15 +2,16 @@
 
 `kvtopo::attention` is what the passes put in place of every attention site. It is opaque to
 Dynamo/Inductor (a fake impl gives shapes), so the same compiled graph serves both modes:
-outside a session it is exactly the original attention over the given k/v; inside a session it
-hands the step's new k/v to that layer's KV store and attends over the stored history.
+outside a session it is exactly the original attention over the given k/v; inside a session (found
+through kernels/store_hook.py) it hands the step's new k/v to that layer's KV store and attends over
+the stored history.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvtopo.runtime.context import active_session
+from .store_hook import active_store
 
 from .reference import attention_decomposition, grouped_attention
 
@@ -38,7 +39,7 @@ def attention(
     `sinks`: [Hq] attention sinks (gpt-oss): a learned logit per query head joins every row's
     softmax and its column is dropped, so part of each row's mass goes to no value.
     """
-    session = active_session()
+    session = active_store()
     if session is None:
         return grouped_attention(query, key, value, attn_mask, scale, is_causal, softcap, sinks)
     return session.attend(layer, query, key, value, attn_mask, scale, is_causal=is_causal, window=window,
@@ -73,7 +74,7 @@ def mla_attention(
     """
     q_latent, w_value = absorb_mla_query(query, kv_up_weight, nope_dim, latent.shape[-1])
     keys = torch.cat([latent, rope_key], dim=-1)  # [B, 1, T, r + rope]: one shared "kv-head"
-    session = active_session()
+    session = active_store()
     if session is None:
         out_latent = grouped_attention(q_latent, keys, latent, attn_mask, scale, is_causal)
     else:

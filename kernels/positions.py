@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch._library.simple_registry import singleton
 
-from kvtopo.runtime.context import active_session
+from .store_hook import active_store
 
 from .effects import _SessionEffect
 from .ops import DECOMPOSITIONS
@@ -30,7 +30,7 @@ def positions(positions: torch.Tensor, model_key: torch.Tensor) -> torch.Tensor:
     """`positions` (the chunk's positions counted from 0) shifted by the tokens the active session
     stores for the model `model_key` belongs to (the parameter its attention ops pass as their
     `model_key`); unchanged (a copy) outside a session."""
-    session = active_session()
+    session = active_store()
     if session is None:
         return positions.clone()
     return positions + session.model_length(model_key)

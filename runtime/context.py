@@ -1,45 +1,44 @@
-"""Which session, if any, the kvtopo attention op is running under.
+"""Which session, if any, the kvtopo attention ops are running under.
 
-Like vLLM's forward context: the op finds its KV store here instead of taking cache tensors as
-graph inputs, so compiled graphs are the same inside and outside a session.
+The ops look their store up through kernels/store_hook.py (kernels never import the runtime);
+this module is the runtime's side of that hook: a session enters itself there.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import TYPE_CHECKING
+
+from kvtopo.kernels.store_hook import active_store, reset_active_store, set_active_store
 
 if TYPE_CHECKING:
     from .session import Session
 
-_active: ContextVar["Session | None"] = ContextVar("kvtopo_active_session", default=None)
-
 
 def active_session() -> "Session | None":
-    return _active.get()
+    return active_store()
 
 
 def require_active_session(what: str) -> "Session":
-    session = _active.get()
+    session = active_store()
     if session is None:
         raise RuntimeError(f"{what} needs an active kvtopo session: use `with kvtopo.session(config) as s:`")
     return session
 
 
 def enter(session: "Session"):
-    return _active.set(session)
+    return set_active_store(session)
 
 
 def leave(token) -> None:
-    _active.reset(token)
+    reset_active_store(token)
 
 
 @contextmanager
 def suspended():
     """Run without any active session (the model's own attention and cache, unchanged)."""
-    token = _active.set(None)
+    token = set_active_store(None)
     try:
         yield
     finally:
-        _active.reset(token)
+        reset_active_store(token)
