@@ -10,6 +10,13 @@ tokens. Every compressing policy runs twice: as is, and with ``protected_spans``
 system prompt's tokens (its pages stay exact). Rows: rule adherence, fact recall and the achieved
 ``ratio_vs_fp16``. Float32 model compiled without Inductor (exact pages cost twice their fp16 bytes).
 Writes bench/results/instruction_adherence[_quick].json.
+
+Measured (--quick, 4 prompts of 612-760 tokens, 60-73 of them the system prompt, nominal 8x):
+the full cache kept 1/4 rules and recalled 4/4 facts: SmolLM2-135M does not follow the three
+format rules even uncompressed (it answers "The special magic number for ... is ..."), and keeps
+the code word only because it never knew it ("The code word is "Ellipsis""), so on this model the
+benchmark cannot show a rule forgotten under compression. topo: rules 1/4, facts 0/4 at 2.24x,
+protected 1/4, 1/4 at 1.82x; snapkv: 1/4, 0/4 at 1.90x, protected 1/4, 0/4 at 1.59x.
 """
 
 import argparse
@@ -82,7 +89,8 @@ def main() -> None:
             answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
             adhered += example.adheres(answer)
             recalled += example.answered(answer)
-            answers.append(dict(policy=policy, protected=protect, rule=example.rule, prompt_tokens=ids.shape[1],
+            answers.append(dict(policy=policy, protected=protect, rule=example.rule, number=example.number,
+                                prompt_tokens=ids.shape[1],
                                 system_tokens=span, adheres=example.adheres(answer),
                                 answered=example.answered(answer), ratio=ratios[-1], answer=answer))
         row = dict(policy=policy, protected=protect, nominal=1.0 if policy == "full" else args.ratio,

@@ -49,7 +49,8 @@ class InstructionExample:
         return RULES[self.rule][1](answer)
 
     def answered(self, answer: str) -> bool:
-        return self.number in answer
+        """The number itself, not inside a longer one (a compressed cache can add a digit)."""
+        return re.search(rf"(?<!\d){self.number}(?!\d)", answer) is not None
 
 
 def make_instruction_example(rule: str, tokens: int, seed: int,

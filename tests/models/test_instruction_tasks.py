@@ -30,6 +30,7 @@ def test_examples_are_deterministic_and_hold_the_fact(rule):
     assert a == b
     assert a != make_instruction_example(rule, 300, 4, words)
     assert f"is {a.number}." in a.user and a.answered(f"It is {a.number}.") and not a.answered("It is 1234567.")
+    assert not a.answered(f"It is {a.number}6.") and not a.answered(f"It is 9{a.number}.")
     assert RULES[rule][0] in a.system
     assert 300 <= words(a.user) <= 300 + 400  # stops at the first paragraph past the length
     assert ("code word" in a.user) == (rule == "secret")
