@@ -48,8 +48,8 @@ def bench_model(name: str, contexts: list[int], steps: int, runtimes: list[str])
     median decode-step latency and the KV bytes each holds."""
     import kvtopo
     from kvtopo.config import Config
-    from kvtopo.export.cli import load_model, prompt_ids
-    from kvtopo.runtime.host_runner import HostRunner
+    from kvtopo.export_cli import load_model, prompt_ids
+    from kvtopo.export.host_runner import HostRunner
 
     kx = _export_pkg()
     config = Config()

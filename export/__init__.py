@@ -5,7 +5,7 @@ Two graphs per model (see export/decode_step.py, export/compressor.py, export/la
                layer's new K/V and queries (also runs chunked prefill: the token count is dynamic)
   compressor   one page's K/V + observation queries + head bases + keep count -> kept tokens,
                codes, statistics; exponential-free (no Exp/Softmax/Sigmoid/Tanh/Erf)
-`runtime.host_runner.HostRunner` drives the pair with the same phase scheduler as the PyTorch
+`export.host_runner.HostRunner` drives the pair with the same phase scheduler as the PyTorch
 session, on onnxruntime or OpenVINO (the ONNX files) or IREE (the compiled MLIR); see
 export/executors.py. MLA models (DeepSeek-V2/V3) export the same pair over the cache their
 session keeps: the latent + RoPE key, one kv-head whose value is the latent (export/layout.py).
@@ -13,6 +13,8 @@ session keeps: the latent + RoPE key, one kv-head whose value is the latent (exp
     export_onnx("llama", "out/", config=Config(...))      # decode_step.onnx, compressor.onnx, layout.json
     export_mlir("llama", "out/", config=Config(...))      # <graph>.<torch|linalg-on-tensors|stablehlo>.mlir
     export_iree("llama", "out/", config=Config(...))      # + decode_step.vmfb, compressor.vmfb (IREE, llvm-cpu)
+
+Imports: runtime, passes, kernels, models and kvtopo.config only (tests/test_import_layers.py).
 """
 
 from __future__ import annotations

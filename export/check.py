@@ -49,7 +49,7 @@ def compare_with_session(model, export_dir, runtimes, input_ids: torch.Tensor, n
                          reference=None) -> list[Agreement]:
     """Run `input_ids` [1, T] + `new_tokens` greedy steps on each runtime over `export_dir` and in
     the session (or against `reference`, a `session_reference` result already computed)."""
-    from kvtopo.runtime.host_runner import HostRunner
+    from kvtopo.export.host_runner import HostRunner
 
     agreements = []
     for runtime in runtimes:

@@ -1,6 +1,6 @@
 """The runtimes that execute the exported graphs, behind one interface: `run(graph, inputs) -> outputs`.
 
-`runtime.host_runner.HostRunner` keeps the cache and applies the page lifecycle; an executor only
+`export.host_runner.HostRunner` keeps the cache and applies the page lifecycle; an executor only
 runs one of the two exported graphs ("decode_step" or "compressor") on named numpy arrays and
 returns named numpy arrays, so the same scheduler drives every toolchain:
 

@@ -4,7 +4,7 @@ IREE takes the `torch` output (its own torch -> linalg conversion, the input IRE
 frontends feed it) or `stablehlo`. torch-mlir's `linalg-on-tensors` output is not an IREE input:
 it lowers cumsum (the compressor's slot numbering) to `tm_tensor.scan`, a dialect IREE does not
 read. The decode step is compiled with a dynamic token count (export_mlir(tokens=None)), so one
-module runs prefill chunks and decode steps; `runtime.host_runner.HostRunner(dir, runtime="iree")`
+module runs prefill chunks and decode steps; `export.host_runner.HostRunner(dir, runtime="iree")`
 drives both modules.
 
 `sources_dir` dumps each dispatch's `hal.executable` source as IREE formed it

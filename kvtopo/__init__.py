@@ -4,6 +4,9 @@
     with kvtopo.session(kvtopo.Config()) as s:
         out = kvtopo.generate(model, input_ids, max_new_tokens=64)
         print(s.stats().total_bytes)
+
+The API layer: it may import every package; imports point one way below it (export ->
+passes, runtime -> kernels; tests/test_import_layers.py).
 """
 
 from kvtopo.config import Config

@@ -15,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvtopo.export.cli import _add_export
+from kvtopo.export_cli import add_export
 
 
 class UsageError(Exception):
@@ -77,7 +77,7 @@ def _positive_int(text: str) -> int:
 
 
 # -- the command ---------------------------------------------------------------------------------
-SUBCOMMANDS = (_add_inspect, _add_export)
+SUBCOMMANDS = (_add_inspect, add_export)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,7 @@ import importlib
 import torch
 
 from kvtopo.config import Config
-from kvtopo.runtime.host_runner import HostRunner
+from kvtopo.export.host_runner import HostRunner
 
 
 def export_package():

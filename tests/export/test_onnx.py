@@ -12,7 +12,7 @@ from kvtopo.kernels.quant import unpack
 from kvtopo.models import zoo
 from kvtopo.runtime.codecs import MidSegment, fit_bases
 from kvtopo.runtime.layer_cache import best_tokens
-from kvtopo.runtime.host_runner import HostRunner
+from kvtopo.export.host_runner import HostRunner
 from kvtopo.runtime.policies import ScoreInputs, make_policy
 
 from export_common import (CONFIG, assert_host_runner_matches_session, assert_openvino_supports_every_op, export_module,

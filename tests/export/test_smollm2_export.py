@@ -16,7 +16,7 @@ import torch
 
 from kvtopo.config import Config
 from kvtopo.export.check import compare_with_session, session_reference
-from kvtopo.export.cli import PRETRAINED, load_model, prompt_ids
+from kvtopo.export_cli import PRETRAINED, load_model, prompt_ids
 
 from export_common import export_package
 

@@ -10,8 +10,8 @@ is 1 when the tokens differ. The prompt is prose from models/real_tasks.py when 
 with a tokenizer, random token ids otherwise. onnx: onnxruntime or openvino; mlir: iree (the MLIR
 is then exported with a dynamic token count and compiled to .vmfb, export_iree).
 
-Registered by adding `_add_export` to `SUBCOMMANDS` in kvtopo/cli.py:
-    from kvtopo.export.cli import _add_export
+Registered by adding `add_export` to `SUBCOMMANDS` in kvtopo/cli.py:
+    from kvtopo.export_cli import add_export
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import json
 from pathlib import Path
 
 
-def _add_export(subparsers) -> None:
+def add_export(subparsers) -> None:
     from kvtopo.models import zoo
 
     p = subparsers.add_parser(
         "export", help="export a model's decode step and page compressor to ONNX or MLIR",
         description="Export the kvtopo-rewritten decode step (cache as explicit tensors) and the exp-free page "
                     "compressor. onnx: decode_step.onnx, compressor.onnx, layout.json (run with "
-                    "kvtopo.runtime.host_runner.HostRunner). mlir: <graph>.<torch|linalg-on-tensors|stablehlo>.mlir.")
+                    "kvtopo.export.host_runner.HostRunner). mlir: <graph>.<torch|linalg-on-tensors|stablehlo>.mlir.")
     p.add_argument("format", choices=("onnx", "mlir"))
     p.add_argument("model", metavar="MODEL",
                    help=f"zoo model name ({', '.join(zoo.ZOO_MODELS)}), {PRETRAINED} (SmolLM2-135M-Instruct), or a "

@@ -43,6 +43,9 @@ from kvtopo.runtime.layer_cache import BudgetExceeded, observed_positions, page_
 from kvtopo.runtime.phases import TRANSITIONS, Phase, PhasePlan
 from kvtopo.runtime.policies import make_policy
 
+from .executors import open_executor
+from .layout import CacheLayout
+
 
 @dataclass
 class _Page:
@@ -326,7 +329,7 @@ class HostRunner:
         (budget, eviction and prefill settings may differ; what shapes the graphs may not).
         `runtime`: "onnxruntime" (`providers`), "openvino" (`device`) or "iree" (`driver`)."""
         d = Path(export_dir)
-        self.layout = _load_layout(d / "layout.json")
+        self.layout = CacheLayout.from_json((d / "layout.json").read_text())
         exported = self.layout.config_object()
         self.config: Config = exported if config is None else _compatible(config, exported)
         self.plan = PhasePlan(self.config.page_size, self.config.sink_tokens, self.config.recent_tokens,
@@ -346,7 +349,7 @@ class HostRunner:
                 "eviction_scope='page'")
         if providers is not None:
             runtime_options["providers"] = providers
-        self.executor = _export_module("executors").open_executor(runtime, d, self.layout, threads, **runtime_options)
+        self.executor = open_executor(runtime, d, self.layout, threads, **runtime_options)
         self.reset()
 
     def reset(self) -> None:
@@ -407,16 +410,3 @@ def _compatible(config: Config, exported: Config) -> Config:
     if diff:
         raise ValueError(f"config differs from the exported one in {diff}, which the graphs depend on: re-export")
     return config
-
-
-def _export_module(name: str):
-    import importlib
-
-    try:
-        return importlib.import_module(f"kvtopo.export.{name}")
-    except ModuleNotFoundError:  # `export/` not yet installed as kvtopo.export
-        return importlib.import_module(f"export.{name}")
-
-
-def _load_layout(path: Path):
-    return _export_module("layout").CacheLayout.from_json(path.read_text())
