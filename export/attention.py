@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from kvtopo.kernels.compressed_attention import _group
+from kvtopo.kernels.compressed_attention import group_query_heads
 from kvtopo.kernels.ops import absorb_mla_query
 from kvtopo.kernels.reference import chunk_causal_mask
 
@@ -99,7 +99,7 @@ def _softmax_lse(logits: Tensor) -> tuple[Tensor, Tensor]:
 def partial_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor) -> tuple[Tensor, Tensor]:
     kv_heads, n, _ = k.shape
     hq, t, _ = q.shape
-    logits = scale * (_group(q, kv_heads) @ k.float().transpose(1, 2))
+    logits = scale * (group_query_heads(q, kv_heads) @ k.float().transpose(1, 2))
     logits = logits.view(kv_heads, -1, t, n).masked_fill(~mask, -float("inf")).view(kv_heads, -1, n)
     p, lse = _softmax_lse(logits)
     return (p @ v.float()).reshape(hq, t, -1), lse.reshape(hq, t)
@@ -137,7 +137,7 @@ def partial_lowrank_masked(q: Tensor, coeff_k: Tensor, key_vectors: Tensor, key_
     kv_heads, n, _ = coeff_k.shape
     hq, t, _ = q.shape
     dv = value_vectors.shape[1]
-    qg = _group(q, kv_heads)
+    qg = group_query_heads(q, kv_heads)
     projected = qg @ key_vectors
     shift = qg @ key_mean.unsqueeze(-1)
     logits = scale * (projected @ coeff_k.transpose(1, 2) + shift)

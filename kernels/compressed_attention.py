@@ -69,7 +69,7 @@ def stack_heads(coefficients: Sequence[Tensor], bases: Sequence[Basis]) -> LowRa
     return LowRankHeads(coefficients=padded_c, vectors=padded_v, mean=mean)
 
 
-def _group(q: Tensor, kv_heads: int) -> Tensor:
+def group_query_heads(q: Tensor, kv_heads: int) -> Tensor:
     """[Hq, T, d] -> [Hkv, G*T, d] float32, rows of query head h under kv-head h // G."""
     hq, t, d = q.shape
     if hq % kv_heads:
@@ -110,7 +110,7 @@ def partial_dense(
     hq, t, _ = q.shape
     if n == 0:
         return _empty(q, v.shape[-1])
-    logits = _capped(scale * (_group(q, kv_heads) @ k.float().transpose(1, 2)), softcap)
+    logits = _capped(scale * (group_query_heads(q, kv_heads) @ k.float().transpose(1, 2)), softcap)
     if mask is not None:
         logits = logits.view(kv_heads, -1, t, n).masked_fill(~mask, -float("inf")).view(kv_heads, -1, n)
     p, lse = _softmax_lse(logits)
@@ -129,7 +129,7 @@ def partial_lowrank(q: Tensor, keys: LowRankHeads, values: LowRankHeads, scale: 
     dv = values.vectors.shape[1]
     if n == 0:
         return _empty(q, dv)
-    qg = _group(q, kv_heads)
+    qg = group_query_heads(q, kv_heads)
     projected = qg @ keys.vectors  # [Hkv, G*T, Rk]
     shift = qg @ keys.mean.unsqueeze(-1)  # [Hkv, G*T, 1]: q . mean_k, shared by all tokens
     logits = _capped(scale * (projected @ keys.coefficients.transpose(1, 2) + shift), softcap)

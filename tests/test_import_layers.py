@@ -61,6 +61,20 @@ def test_imports_point_one_way():
     assert violations() == []
 
 
+def test_no_private_name_crosses_a_package():
+    """A leading underscore means "this module's business": other packages use public names."""
+    crossing = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvtopo."):
+                    other = node.module.split(".")[1]
+                    private = [a.name for a in node.names if a.name.startswith("_")]
+                    if other != package and private and not (package == "kvtopo" and other not in ALLOWED):
+                        crossing.append(f"{path.relative_to(ROOT)}: {node.module} {private}")
+    assert crossing == []
+
+
 def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     fake = tmp_path / "kernels"
     fake.mkdir()
