@@ -145,14 +145,10 @@ def smollm2(dtype: torch.dtype = torch.bfloat16):
     honest; float32 is faster on CPU. The weights stay 4-bit quantized either way. The
     generation config is the one the GGUF file gives (eos = `<|im_end|>`).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = weights_path()
     start = time.perf_counter()
     _log(f"loading {path.name} with transformers ({dtype}); this takes a while")
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    model.eval()
+    model, tokenizer = load_checkpoint(path, dtype)
     _log(f"loaded in {time.perf_counter() - start:.0f} s")
     return model, tokenizer
 
