@@ -30,7 +30,7 @@ import torch
 import kvtopo
 from kvtopo.kernels.directions import principal_basis
 from kvtopo.models.pretrained import chat_prompt, smollm2
-from kvtopo.models.real_tasks import prose_paragraphs
+from kvtopo.models.real_tasks import prose_run
 
 CITIES = ["Oslo", "Lima", "Cairo", "Quito", "Hanoi", "Dakar", "Perth", "Tunis"]
 NO_PROJECTION = dict(key_energy=None, value_energy=None)
@@ -48,13 +48,7 @@ CONFIGS = {
 
 def needle_example(tokenizer, tokens: int, depth: float, seed: int) -> tuple[torch.Tensor, str]:
     rng = random.Random(1000 + seed)
-    paragraphs = prose_paragraphs()
-    doc, total = [], 0
-    for para in paragraphs[rng.randrange(len(paragraphs) - 200):]:
-        if total >= tokens:
-            break
-        doc.append(para)
-        total += len(tokenizer(para, add_special_tokens=False).input_ids)
+    doc = prose_run(rng, tokens, lambda text: len(tokenizer(text, add_special_tokens=False).input_ids))
     city, number = CITIES[seed % len(CITIES)], str(rng.randrange(10**6, 10**7))
     doc.insert(round(depth * len(doc)), f"The special magic number for {city} is {number}.")
     question = f"What is the special magic number for {city}? Answer with the number only."

@@ -7,7 +7,7 @@ code can check (``RULES``), a document of CPython doc prose with one fact in it,
 about the fact; ``adheres`` checks the rule on the answer, ``answered`` whether the fact came back.
 
 Deterministic given ``(rule, tokens, seed)`` and a token counter; offline (the prose is
-``pydoc_data``, see ``real_tasks.prose_paragraphs``).
+``pydoc_data``, see ``real_tasks.prose_run``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from .real_tasks import prose_paragraphs
+from .real_tasks import prose_run
 
 # Each rule: (system-prompt sentence, check of the answer). The persona around the rule makes the
 # system prompt longer than the always-exact sink pages (32 tokens by default), as real ones are.
@@ -60,13 +60,7 @@ def make_instruction_example(rule: str, tokens: int, seed: int,
     if rule not in RULES:
         raise ValueError(f"unknown rule {rule!r}: one of {tuple(RULES)}")
     rng = random.Random(f"{rule}-{seed}")
-    paragraphs = prose_paragraphs()
-    doc, total = [], 0
-    for paragraph in paragraphs[rng.randrange(len(paragraphs) - 200):]:
-        if total >= tokens:
-            break
-        doc.append(paragraph)
-        total += count_tokens(paragraph)
+    doc = prose_run(rng, tokens, count_tokens)
     city, number = rng.choice(CITIES), str(rng.randrange(10**6, 10**7))
     doc.insert(rng.randrange(1, len(doc)), f"The special magic number for {city} is {number}.")
     question = f"What is the special magic number for {city}?"

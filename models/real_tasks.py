@@ -172,6 +172,19 @@ def prose_paragraphs() -> list[str]:
     return list(_PARAGRAPHS)
 
 
+def prose_run(rng: random.Random, tokens: int, count_tokens: Callable[[str], int]) -> list[str]:
+    """Consecutive prose paragraphs from a random start (drawn from `rng`), up to the first that
+    brings them to `tokens` tokens: a document whose sentences follow each other as written."""
+    paragraphs = prose_paragraphs()
+    run, total = [], 0
+    for paragraph in paragraphs[rng.randrange(len(paragraphs) - 200):]:
+        if total >= tokens:
+            break
+        run.append(paragraph)
+        total += count_tokens(paragraph)
+    return run
+
+
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
 
 
