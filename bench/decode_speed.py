@@ -24,7 +24,12 @@ refitted as the sequence doubles) and "8x" = Config(mid_bits=8, key_energy=0.97,
 value_energy=0.97, refit_after=None), which lands near 8x vs fp16 on this data (the default
 compresses further: its ranks at 0.9 energy are smaller). "8x" fits its bases once; "8x_refits"
 is the same with refits on (the Config default): each Mid epoch a refit adds is one more pass
-of the C kernel per step. The measured
+of the C kernel per step. "4bit_unprojected" = Config(key_energy=None, value_energy=None): the
+default without projection, Mid keys/values as 4-bit KIVI-style codes (keys per channel per
+page, values per token), read by the same C kernel on an identity basis; it is also timed as
+"4bit_unprojected_torch", the same step with its Mid segment dequantized and attended by torch
+(`MidSegment.attention_inputs`, the path unprojected Mid took before the kernel read it), and
+its summary gives the kernel's speedup over that. The measured
 ratio vs fp16 and the bytes held are reported per length.
 
 "bytes" is what the decode step reads (DecodeSegments.nbytes: exact K/V, codes, statistics,
@@ -38,6 +43,7 @@ leaves out the time other jobs hold the core; ratios are quoted from each. Write
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -48,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 import kvtopo
-from kvtopo.kernels import cpu_decode
+from kvtopo.kernels import cpu_decode, fast_decode
 from kvtopo.kernels.decode_reference import reference_decode
 from kvtopo.runtime import decode_view
 
@@ -59,7 +65,10 @@ CONFIGS = {
     "default": kvtopo.Config(),
     "8x": kvtopo.Config(mid_bits=8, key_energy=0.97, value_energy=0.97, refit_after=None),
     "8x_refits": kvtopo.Config(mid_bits=8, key_energy=0.97, value_energy=0.97),
+    "4bit_unprojected": kvtopo.Config(key_energy=None, value_energy=None),
 }
+# Configs also timed with their Mid segment dequantized and attended by torch ("<name>_torch").
+TORCH_MID = ("4bit_unprojected",)
 LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
 QUICK = [1024, 2048, 4096]
 
@@ -93,6 +102,14 @@ def timed(fn) -> tuple[float, float]:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def torch_mid_step(cache, q, k_new, v_new):
+    """``attend_cache``'s step with the Mid segment dequantized and attended by torch."""
+    mid = cache.sequences[0].mid
+    segs = dataclasses.replace(decode_view.decode_segments(cache, 0, k_new, v_new), mid=None,
+                               mid_other=mid.attention_inputs(), mid_other_projected=mid.encoding.project)
+    return fast_decode.decode_attention(q, segs, SCALE)
 
 
 def main() -> None:
@@ -165,6 +182,9 @@ def main() -> None:
                     "build_s": time.perf_counter() - build,
                 }
                 methods[f"kvtopo_{name}"] = (lambda c=cache: decode_view.attend_cache(c, 0, q[:, None], k_new, v_new, SCALE))
+                if name in TORCH_MID:
+                    torch.testing.assert_close(torch_mid_step(cache, q, k_new, v_new), out, rtol=1e-4, atol=1e-5)
+                    methods[f"{name}_torch"] = lambda c=cache: torch_mid_step(c, q, k_new, v_new)
             times = {m: [] for m in methods}
             for fn in methods.values():  # warm-up
                 fn()
@@ -208,7 +228,7 @@ def main() -> None:
 
 def format_row(row: dict) -> str:
     parts = [f"{row['tokens']:>6} tok"]
-    for m in ("dense_fp32", "dense_bf16", *CONFIGS):
+    for m in ("dense_fp32", "dense_bf16", *CONFIGS, *(f"{n}_torch" for n in TORCH_MID)):
         e = row[m]
         cpu = f", cpu {e['cpu_median_ms']:6.2f}" if "cpu_median_ms" in e else ""
         parts.append(f"{m} {e['median_ms']:7.2f} ms (min {e['min_ms']:6.2f}{cpu})")
@@ -243,6 +263,10 @@ def summarize(rows: list[dict]) -> dict:
                     / (a[name]["cpu_median_ms"] / a[name]["bytes"])} if "cpu_median_ms" in a[name] else {}),
             })
         out[name] = {"speedup": speed, "doubling": scaling}
+        if name in TORCH_MID:
+            out[name]["vs_torch_mid"] = {r["tokens"]: {
+                stat: r[f"{name}_torch"][stat] / r[name][stat]
+                for stat in ("median_ms", "min_ms", "cpu_median_ms") if stat in r[name]} for r in rows}
     at = [r for r in rows if r["tokens"] == 32768]
     if at:
         r = at[0]
@@ -269,7 +293,8 @@ def plot(rows: list[dict], path: Path) -> None:
         panels.append(("cpu_median_ms", "CPU time of the thread, median ms"))
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     for ax, (key, label) in zip(axes[0], panels):
-        for m, style in (("dense_fp32", "o-"), ("dense_bf16", "s-"), ("default", "^-"), ("8x", "v-"), ("8x_refits", "x--")):
+        for m, style in (("dense_fp32", "o-"), ("dense_bf16", "s-"), ("default", "^-"), ("8x", "v-"), ("8x_refits", "x--"),
+                         ("4bit_unprojected", "d-")):
             name = m if m.startswith("dense") else f"kvtopo {m} (~{rows[-1][m]['ratio_vs_fp16']:.0f}x vs fp16)"
             ax.plot(tokens, [r[m][key] for r in rows], style, label=name)
         ax.set_xscale("log", base=2)

@@ -10,7 +10,10 @@ changes), so a logit is one short dot with the raw codes; a two-pass softmax wit
 then accumulates the weighted value *codes* per page and applies the page's value statistics
 once per page. Splits and segments are merged by log-sum-exp; the Mid output is projected back
 (``@ B_v^T + mean_v``) once per query head. No [N, C] float matrix is ever built: the kernel
-reads N * C * bits / 8 bytes of codes plus one statistics row per page. Without the kernel
+reads N * C * bits / 8 bytes of codes plus one statistics row per page. An unprojected Mid
+(KIVI-style codes of the keys/values themselves) is the same computation on an identity basis:
+the query projection and the back-projection are skipped, and its per-token value statistics
+are folded into the softmax weights instead of applied per page. Without the kernel
 (no compiler, a failed build: warned once, or KVTOPO_NO_CKERNEL set) the Mid segment falls back
 to the torch reference (dequantize + ``partial_lowrank``): slower, same result.
 """
@@ -139,27 +142,29 @@ def cpu_decode_attention(q: Tensor, segs: DecodeSegments, scale: float, softcap:
 
 
 def mid_partial_cpu(q: Tensor, mid: MidCodes, scale: float, softcap: float | None = None) -> tuple[Tensor, Tensor]:
-    """(out [Hq, dv], lse [Hq]) of q [Hq, d] over a projected, quantized Mid segment
+    """(out [Hq, dv], lse [Hq]) of q [Hq, d] over a quantized Mid segment
     (``softcap``: capped logits; passed to the kernel as a float, 0 meaning none)."""
     kernel = mid_kernel()
     if kernel is None:
         keys, values = mid.decode()
         out, lse = partial_lowrank(q[:, None], keys, values, scale, softcap=softcap)
         return out[:, 0], lse[:, 0]
-    hkv, dk, _ = mid.k_vectors.shape
-    dv, rv = mid.v_vectors.shape[1:]
-    hq = q.shape[0]
+    hkv, rv = mid.kv_heads, mid.value_width
+    hq, dk = q.shape
     g = hq // hkv
     qg = q.float().reshape(hkv, g, dk)
-    qp = (scale * (qg @ mid.k_vectors)).contiguous()  # [Hkv, G, Rk]
-    qb = (scale * (qg @ mid.k_mean[..., None]))[..., 0].contiguous()  # [Hkv, G]
+    if mid.projected:
+        qp = (scale * (qg @ mid.k_vectors)).contiguous()  # [Hkv, G, Rk]
+        qb = (scale * (qg @ mid.k_mean[..., None]))[..., 0].contiguous()  # [Hkv, G]
+    else:  # identity basis, zero mean
+        qp, qb = (scale * qg).contiguous(), qg.new_zeros(hkv, g)
     splits = max(1, -(-mid.tokens // ROWS_PER_SPLIT))
     coef = torch.empty(splits, hkv, g, rv)
     lse = torch.empty(splits, hkv, g)
     codes = [x.contiguous() for x in (mid.k_rows, mid.k_scale, mid.k_offset, mid.k_starts, mid.k_ranks)]
     codes.append(mid.k_bits)
     codes += [x.contiguous() for x in (mid.v_rows, mid.v_scale, mid.v_offset, mid.v_starts, mid.v_ranks)]
-    codes += [mid.v_bits, mid.row_stat.contiguous(), coef, lse]
+    codes += [mid.v_bits, mid.value_stats_per_row, mid.row_stat.contiguous(), coef, lse]
     cap = 0.0 if softcap is None else float(softcap)
     threads = torch.get_num_threads()
     if threads == 1 or splits == 1:
@@ -177,5 +182,5 @@ def mid_partial_cpu(q: Tensor, mid: MidCodes, scale: float, softcap: float | Non
     w = torch.exp(lse - m)  # [S, Hkv, G]
     total = w.sum(0)
     mixed = (w[..., None] * coef).sum(0) / total.clamp_min(1e-38)[..., None]  # [Hkv, G, Rv]
-    out = mixed @ mid.v_vectors.transpose(1, 2) + mid.v_mean[:, None]
-    return out.reshape(hq, dv), (m[0] + total.log()).reshape(hq)
+    out = mixed @ mid.v_vectors.transpose(1, 2) + mid.v_mean[:, None] if mid.projected else mixed
+    return out.reshape(hq, -1), (m[0] + total.log()).reshape(hq)

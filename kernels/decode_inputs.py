@@ -63,7 +63,7 @@ class RecentCodes:
 
 @dataclass(frozen=True, eq=False)
 class MidCodes:
-    """A projected Mid segment, codes as stored.
+    """A quantized Mid segment, codes as stored.
 
     k_rows [N, ceil(Ck*k_bits/8)] uint8, codes of all kv-heads side by side (head h's columns
     are k_starts[h] .. k_starts[h] + k_ranks[h]), first code in the low bits; k_scale/k_offset
@@ -71,6 +71,11 @@ class MidCodes:
     statistics row of each code row. Values alike. Bases: k_vectors [Hkv, dk, Rk] (zero beyond
     each head's rank), k_mean [Hkv, dk]; v_vectors [Hkv, dv, Rv], v_mean [Hkv, dv], float32.
     k_starts/k_ranks/v_starts/v_ranks: int32 [Hkv].
+
+    Unprojected (``projected`` False, KIVI-style): the codes are the keys/values themselves,
+    i.e. an identity basis, so no bases are held (vectors and means None; ranks dk and dv,
+    starts h * dk and h * dv). Keys keep per-page per-channel statistics; values are quantized
+    per token and head (``value_stats_per_row``: v_scale/v_offset [N, Hkv]).
     """
 
     k_rows: Tensor
@@ -79,34 +84,58 @@ class MidCodes:
     k_bits: int
     k_starts: Tensor
     k_ranks: Tensor
-    k_vectors: Tensor
-    k_mean: Tensor
+    k_vectors: Tensor | None
+    k_mean: Tensor | None
     v_rows: Tensor
     v_scale: Tensor
     v_offset: Tensor
     v_bits: int
     v_starts: Tensor
     v_ranks: Tensor
-    v_vectors: Tensor
-    v_mean: Tensor
+    v_vectors: Tensor | None
+    v_mean: Tensor | None
     row_stat: Tensor
+    projected: bool = True
+    value_stats_per_row: bool = False
 
     @property
     def tokens(self) -> int:
         return self.k_rows.shape[0]
 
+    @property
+    def kv_heads(self) -> int:
+        return self.k_ranks.shape[0]
+
+    @property
+    def value_width(self) -> int:
+        """Columns per kv-head the kernels accumulate values in: the padded value rank, or dv
+        when unprojected (read from the code width, so no device read)."""
+        if self.projected:
+            return self.v_vectors.shape[2]
+        return self.v_rows.shape[1] * (8 // self.v_bits) // self.kv_heads
+
     def decode(self) -> tuple[LowRankHeads, LowRankHeads]:
-        """Dequantized coefficients as LowRankHeads (reference/fallback only)."""
+        """Dequantized coefficients as LowRankHeads, on an identity basis with zero mean when
+        unprojected (reference/fallback only)."""
         idx = self.row_stat.long()
         sides = []
-        for rows, scale, offset, bits, starts, ranks, vectors, mean in (
+        for rows, scale, offset, bits, starts, ranks, vectors, mean, per_row in (
             (self.k_rows, self.k_scale, self.k_offset, self.k_bits, self.k_starts, self.k_ranks,
-             self.k_vectors, self.k_mean),
+             self.k_vectors, self.k_mean, False),
             (self.v_rows, self.v_scale, self.v_offset, self.v_bits, self.v_starts, self.v_ranks,
-             self.v_vectors, self.v_mean)):
-            width = scale.shape[1]
-            flat = dequantize(Quantized(rows, scale[idx], offset[idx], bits, width))  # [N, C]
-            heads, _, r_pad = vectors.shape
+             self.v_vectors, self.v_mean, self.value_stats_per_row)):
+            width = int(starts[-1] + ranks[-1])
+            if per_row:  # [N, Hkv] -> one statistic per code column
+                scale, offset = (s.repeat_interleave(ranks.long(), dim=1) for s in (scale, offset))
+            else:
+                scale, offset = scale[idx], offset[idx]
+            flat = dequantize(Quantized(rows, scale, offset, bits, width))  # [N, C]
+            heads = ranks.shape[0]
+            if vectors is None:
+                d = int(ranks[0])
+                vectors = torch.eye(d, device=flat.device).expand(heads, d, d)
+                mean = flat.new_zeros(heads, d)
+            r_pad = vectors.shape[2]
             padded = flat.new_zeros(heads, flat.shape[0], r_pad)
             for h in range(heads):
                 s, r = int(starts[h]), int(ranks[h])
@@ -120,7 +149,7 @@ class DecodeSegments:
     """Everything one decode step of one sequence-layer attends to.
 
     exact: (keys [Hkv, N0, dk], values [Hkv, N0, dv]) — Initial/Terminal pages plus the step's
-    new token (any float dtype); recent: RecentCodes; mid: MidCodes (projected, quantized);
+    new token (any float dtype); recent: RecentCodes; mid: MidCodes (quantized);
     mid_other: Mid stored another way (baseline policies: dense (keys, values) or float
     coefficients as (LowRankHeads, LowRankHeads)) attended by the torch reference;
     retired: earlier Mid epochs (topo refits its bases as the sequence grows), each MidCodes or,
@@ -150,8 +179,9 @@ class DecodeSegments:
 
     @property
     def kv_heads(self) -> int:
-        for t in (self.exact and self.exact[0], self.recent and self.recent.k_codes,
-                  self.mid and self.mid.k_vectors):
+        if self.mid is not None:
+            return self.mid.kv_heads
+        for t in (self.exact and self.exact[0], self.recent and self.recent.k_codes):
             if t is not None:
                 return t.shape[0]
         if self.mid_other is not None:

@@ -10,6 +10,7 @@ the runtime stores (see ``decode_inputs.DecodeSegments``):
   values per token statistics)                         -> ``_dense_split_kernel`` (QUANT=True)
 * Mid rows [N, ceil(C*b/8)] uint8, per-page stats,
   head bases                                           -> ``_mid_split_kernel``
+* unprojected Mid codes (per-token value statistics)  -> torch reference (``mid_partial``)
 
 Every kernel runs one program per (kv-head, split of tokens): the G query heads of a kv-head
 are the rows of one [G_PAD, ...] tile (GQA: keys/values are read once for the group). Codes are
@@ -266,7 +267,11 @@ def dense_partial(q: Tensor, k: Tensor, v: Tensor, scale: float, recent: RecentC
 
 
 def mid_partial(q: Tensor, mid: MidCodes, scale: float, softcap: float | None = None):
-    """Split partials of q [Hq, d] over a projected Mid segment: o [Hq, S, dv], lse [Hq, S]."""
+    """Split partials of q [Hq, d] over a Mid segment: o [Hq, S, dv], lse [Hq, S]."""
+    if not mid.projected:
+        # _mid_split_kernel reads per-page value statistics only: unprojected Mid (per-token
+        # value statistics) takes the torch reference, dequantizing the segment each step.
+        return partial_lowrank(q[:, None], *mid.decode(), scale, softcap=softcap)
     hkv, dk, rk = mid.k_vectors.shape
     dv, rv = mid.v_vectors.shape[1:]
     hq = q.shape[0]

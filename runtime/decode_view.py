@@ -44,18 +44,36 @@ def _stats_f32(coded: CodedRows) -> tuple[Tensor, Tensor]:
 
 
 def mid_codes(mid: MidSegment) -> MidCodes | None:
-    """MidCodes view of a ``MidSegment`` that is projected and quantized (else None)."""
+    """MidCodes view of a quantized ``MidSegment`` (else None: float Mid takes the torch path).
+
+    Unprojected codes [N, Hkv, d / codes per byte] are read as one row of Hkv * d codes (an
+    identity basis: ranks d, starts h * d), which needs each head's codes to fill whole bytes;
+    MLA segments (values inside the keys) are not viewed: their decode steps do not come here
+    (``Session._attend_one``)."""
     e = mid.encoding
-    if mid.tokens == 0 or not (e.project and e.key_bits and e.value_bits):
+    if mid.tokens == 0 or not (e.key_bits and e.value_bits) or mid.shared_value_dim is not None:
         return None
     dev = mid.keys.rows.device
-    ks, kr = rank_columns(mid.key_bases.ranks)
-    vs, vr = rank_columns(mid.value_bases.ranks)
+    if e.project:
+        ks, kr = rank_columns(mid.key_bases.ranks)
+        vs, vr = rank_columns(mid.value_bases.ranks)
+        return MidCodes(
+            mid.keys.rows, *_stats_f32(mid.keys), e.key_bits, ks.to(dev), kr.to(dev),
+            mid.key_bases.vectors.float(), mid.key_bases.mean.float(),
+            mid.values.rows, *_stats_f32(mid.values), e.value_bits, vs.to(dev), vr.to(dev),
+            mid.value_bases.vectors.float(), mid.value_bases.mean.float(), _row_stat(mid.keys))
+    n, heads = mid.keys.rows.shape[:2]
+    dk, dv = mid.keys.length, mid.values.length
+    if dk * e.key_bits % 8 or dv * e.value_bits % 8:
+        return None
+    ks, kr = rank_columns((dk,) * heads)
+    vs, vr = rank_columns((dv,) * heads)
+    k_scale, k_offset = (s.reshape(s.shape[0], heads * dk) for s in _stats_f32(mid.keys))
+    v_scale, v_offset = (s.reshape(n, heads) for s in _stats_f32(mid.values))
     return MidCodes(
-        mid.keys.rows, *_stats_f32(mid.keys), e.key_bits, ks.to(dev), kr.to(dev),
-        mid.key_bases.vectors.float(), mid.key_bases.mean.float(),
-        mid.values.rows, *_stats_f32(mid.values), e.value_bits, vs.to(dev), vr.to(dev),
-        mid.value_bases.vectors.float(), mid.value_bases.mean.float(), _row_stat(mid.keys))
+        mid.keys.rows.reshape(n, -1), k_scale, k_offset, e.key_bits, ks.to(dev), kr.to(dev), None, None,
+        mid.values.rows.reshape(n, -1), v_scale, v_offset, e.value_bits, vs.to(dev), vr.to(dev), None, None,
+        _row_stat(mid.keys), projected=False, value_stats_per_row=True)
 
 
 def decode_segments(cache: LayerCache, seq: int, k_new: Tensor | None = None, v_new: Tensor | None = None) -> DecodeSegments:

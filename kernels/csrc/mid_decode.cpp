@@ -1,4 +1,5 @@
-// Fused decode attention over a projected, quantized Mid segment (kernels/cpu_decode.py).
+// Fused decode attention over a quantized Mid segment (kernels/cpu_decode.py): projected
+// coefficients, or unprojected keys/values (an identity basis: the caller skips the projections).
 // Built at first use by torch.utils.cpp_extension; the Python wrapper runs splits of the rows
 // on several threads, so the entry point releases the GIL while it computes.
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor (lighter than torch/extension.h)
@@ -37,10 +38,14 @@ static inline void unpack_row(const uint8_t *row, int C, int bits, float *u) {
     }
 }
 
-/* Splits [s0, s1) of the rows, every kv-head and query head at once. Statistics are per page,
-   so they are folded into the query (keys) or applied once per page to code sums (values):
+/* Splits [s0, s1) of the rows, every kv-head and query head at once. Key statistics are per page,
+   so they are folded into the query:
      logit = q.mean_k + sum_r q_r off_r + sum_r (q_r scale_r) code_r
-     sum_n p_n c_n = sum_pages (scale * sum_n p_n code_n + off * sum_n p_n)
+   Value statistics are per page (vrow == 0: [Pm, vC]), applied once per page to code sums,
+     sum_n p_n c_n = sum_pages (scale * sum_n p_n code_n + off * sum_n p_n),
+   or per row and kv-head (vrow != 0: [N, H], unprojected values quantized per token), folded
+   into the weights:
+     sum_n p_n c_n = sum_n (p_n scale_n) code_n + sum_n p_n off_n.
    Pass 1: logits of every row and query head, and their max; pass 2: softmax weights and
    the weighted value codes. Rows go 4 at a time (register blocking: each query/accumulator
    element loaded once per 4 rows); a block never crosses a page (rows past its end get zero
@@ -54,7 +59,7 @@ static void mid_decode_splits(const float *qp, const float *qb, int H, int G, in
                               const uint8_t *krows, int kbytes, const float *kscale, const float *koff, int kC,
                               const int *kstarts, const int *kranks, int kbits,
                               const uint8_t *vrows, int vbytes, const float *vscale, const float *voff, int vC,
-                              const int *vstarts, const int *vranks, int vbits,
+                              const int *vstarts, const int *vranks, int vbits, int vrow,
                               const int *row_stat, float *coef, float *lse) {
     int HG = H * G;
     int per = (N + S - 1) / S;
@@ -65,6 +70,7 @@ static void mid_decode_splits(const float *qp, const float *qb, int H, int G, in
     float *m = bias + HG, *l = bias + 2 * HG, *P = bias + 3 * HG;
     float *A = (float *)malloc(sizeof(float) * (size_t)HG * (RV > 0 ? RV : 1));
     float *pb = (float *)malloc(sizeof(float) * (size_t)RB * HG);
+    float *rs = (float *)malloc(sizeof(float) * (size_t)RB * H * 2), *ro = rs + RB * H;  /* vrow: a block's stats */
     for (int s = s0; s < s1; ++s) {
         int n0 = s * per, n1 = n0 + per < N ? n0 + per : N;
         float *acc = coef + (size_t)s * HG * RV;
@@ -130,16 +136,20 @@ static void mid_decode_splits(const float *qp, const float *qb, int H, int G, in
         cur = row_stat[n0];
         for (int n = n0; n <= n1;) {
             int st = n < n1 ? row_stat[n] : -1;
-            if (st != cur) {  /* flush the page's code sums through its statistics */
+            if (st != cur) {  /* flush the page's sums (through its statistics when per page) */
                 for (int h = 0; h < H; ++h) {
-                    const float *sc = vscale + (size_t)cur * vC + vstarts[h];
-                    const float *of = voff + (size_t)cur * vC + vstarts[h];
                     int rv = vranks[h];
                     for (int g = 0; g < G; ++g) {
                         int hg = h * G + g;
                         float *a = A + (size_t)hg * RV, *o = acc + (size_t)hg * RV;
                         float pp = P[hg];
-                        for (int r = 0; r < rv; ++r) { o[r] += sc[r] * a[r] + of[r] * pp; a[r] = 0.f; }
+                        if (vrow) {
+                            for (int r = 0; r < rv; ++r) { o[r] += a[r] + pp; a[r] = 0.f; }
+                        } else {
+                            const float *sc = vscale + (size_t)cur * vC + vstarts[h];
+                            const float *of = voff + (size_t)cur * vC + vstarts[h];
+                            for (int r = 0; r < rv; ++r) { o[r] += sc[r] * a[r] + of[r] * pp; a[r] = 0.f; }
+                        }
                         P[hg] = 0.f;
                     }
                 }
@@ -157,13 +167,25 @@ static void mid_decode_splits(const float *qp, const float *qb, int H, int G, in
                 for (int j = 0; j < HG; ++j) pb[i * HG + j] = expf(lg[i * HG + j] - m[j]);
             for (int i = nb * HG; i < RB * HG; ++i) pb[i] = 0.f;
             for (int i = 0; i < nb; ++i)
-                for (int j = 0; j < HG; ++j) { l[j] += pb[i * HG + j]; P[j] += pb[i * HG + j]; }
+                for (int j = 0; j < HG; ++j) l[j] += pb[i * HG + j];
+            if (vrow) {
+                for (int i = 0; i < RB * H; ++i) { rs[i] = 0.f; ro[i] = 0.f; }
+                memcpy(rs, vscale + (size_t)n * H, sizeof(float) * nb * H);
+                memcpy(ro, voff + (size_t)n * H, sizeof(float) * nb * H);
+            } else {
+                for (int i = 0; i < nb; ++i)
+                    for (int j = 0; j < HG; ++j) P[j] += pb[i * HG + j];
+            }
             for (int h = 0; h < H; ++h) {
                 const float *u0 = u + vstarts[h], *u1 = u0 + CM, *u2 = u1 + CM, *u3 = u2 + CM;
                 int rv = vranks[h];
                 for (int g = 0; g < G; ++g) {
                     int hg = h * G + g;
                     float p0 = pb[hg], p1 = pb[HG + hg], p2 = pb[2 * HG + hg], p3 = pb[3 * HG + hg];
+                    if (vrow) {
+                        P[hg] += p0 * ro[h] + p1 * ro[H + h] + p2 * ro[2 * H + h] + p3 * ro[3 * H + h];
+                        p0 *= rs[h]; p1 *= rs[H + h]; p2 *= rs[2 * H + h]; p3 *= rs[3 * H + h];
+                    }
                     float *a = A + (size_t)hg * RV;
                     for (int r = 0; r < rv; ++r) a[r] += p0 * u0[r] + p1 * u1[r] + p2 * u2[r] + p3 * u3[r];
                 }
@@ -177,7 +199,7 @@ static void mid_decode_splits(const float *qp, const float *qb, int H, int G, in
         }
         free(logits);
     }
-    free(u); free(qs); free(bias); free(A); free(pb);
+    free(u); free(qs); free(bias); free(A); free(pb); free(rs);
 }
 
 template <typename T>
@@ -187,13 +209,14 @@ static const T *input(const at::Tensor &t, const char *name) {
 }
 
 // Splits [s0, s1) of the S = coef.size(0) splits. Shapes: qp [H, G, RK], qb [H, G], k_rows [N, kbytes]
-// uint8, k_scale/k_offset [Pm, kC], k_starts/k_ranks [H] int32, values alike, row_stat [N] int32,
-// coef [S, H, G, RV], lse [S, H, G] (both written). cap: logit softcap, 0 for none.
+// uint8, k_scale/k_offset [Pm, kC], k_starts/k_ranks [H] int32, values alike (v_row_stats: v_scale/
+// v_offset [N, H] instead), row_stat [N] int32, coef [S, H, G, RV], lse [S, H, G] (both written).
+// kC/vC, the codes per row, are the last head's start + rank. cap: logit softcap, 0 for none.
 void mid_decode(const at::Tensor &qp, const at::Tensor &qb, int64_t s0, int64_t s1, double cap,
                 const at::Tensor &k_rows, const at::Tensor &k_scale, const at::Tensor &k_offset,
                 const at::Tensor &k_starts, const at::Tensor &k_ranks, int64_t k_bits,
                 const at::Tensor &v_rows, const at::Tensor &v_scale, const at::Tensor &v_offset,
-                const at::Tensor &v_starts, const at::Tensor &v_ranks, int64_t v_bits,
+                const at::Tensor &v_starts, const at::Tensor &v_ranks, int64_t v_bits, bool v_row_stats,
                 const at::Tensor &row_stat, const at::Tensor &coef, const at::Tensor &lse) {
     TORCH_CHECK(coef.is_contiguous() && lse.is_contiguous(), "coef and lse must be contiguous");
     int H = qp.size(0), G = qp.size(1), RK = qp.size(2), RV = coef.size(3);
@@ -205,11 +228,16 @@ void mid_decode(const at::Tensor &qp, const at::Tensor &qb, int64_t s0, int64_t 
     const int *kst = input<int>(k_starts, "k_starts"), *krk = input<int>(k_ranks, "k_ranks");
     const int *vst = input<int>(v_starts, "v_starts"), *vrk = input<int>(v_ranks, "v_ranks");
     const int *stat = input<int>(row_stat, "row_stat");
+    int kC = kst[H - 1] + krk[H - 1], vC = vst[H - 1] + vrk[H - 1];
+    TORCH_CHECK(k_scale.size(1) == kC && k_rows.size(1) * 8 >= kC * k_bits, "key codes/statistics do not match the ranks");
+    TORCH_CHECK(v_row_stats ? v_scale.size(0) == N && v_scale.size(1) == H : v_scale.size(1) == vC,
+                "value statistics do not match their mode");
+    TORCH_CHECK(v_rows.size(1) * 8 >= vC * v_bits, "value codes do not match the ranks");
     float *c = coef.data_ptr<float>(), *l = lse.data_ptr<float>();
     pybind11::gil_scoped_release no_gil;
     mid_decode_splits(q, qbias, H, G, RK, RV, N, S, s0, s1, (float)cap,
-                      kr, k_rows.size(1), ks, ko, k_scale.size(1), kst, krk, k_bits,
-                      vr, v_rows.size(1), vs, vo, v_scale.size(1), vst, vrk, v_bits, stat, c, l);
+                      kr, k_rows.size(1), ks, ko, kC, kst, krk, k_bits,
+                      vr, v_rows.size(1), vs, vo, vC, vst, vrk, v_bits, v_row_stats, stat, c, l);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -14,9 +14,11 @@ def synthetic_segments(
     recent_pages: int = 1, page_size: int = 8, mid_page_rows: tuple[int, ...] = (8, 3, 0, 5),
     k_ranks: tuple[int, ...] | None = None, v_ranks: tuple[int, ...] | None = None,
     recent_bits: int = 8, mid_bits: int = 4, seed: int = 0, exact_dtype=torch.float32,
+    projected: bool = True,
 ) -> DecodeSegments:
     """Random segments encoded exactly as the runtime encodes them (quant.quantize per page).
-    Any phase can be empty (exact=0, recent_pages=0, no mid rows)."""
+    Any phase can be empty (exact=0, recent_pages=0, no mid rows). ``projected`` False: Mid
+    holds KIVI-style codes of the keys/values themselves (``unprojected_mid``); ranks unused."""
     g = torch.Generator().manual_seed(seed)
     randn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     ex = None
@@ -31,7 +33,9 @@ def synthetic_segments(
             pages.append((kq, vq))
         rec = RecentCodes.from_pages(pages, page_size)
     mid = None
-    if sum(mid_page_rows):
+    if sum(mid_page_rows) and not projected:
+        mid = unprojected_mid(randn, kv_heads, dk, dv, mid_page_rows, mid_bits)[0]
+    elif sum(mid_page_rows):
         k_ranks = k_ranks or tuple(min(dk, 3 + 2 * h) for h in range(kv_heads))
         v_ranks = v_ranks or tuple(min(dv, 5 + h) for h in range(kv_heads))
         sides = []
@@ -57,3 +61,27 @@ def synthetic_segments(
         (kr, ks, ko, kst, krk, kv, km), (vr, vs, vo, vst, vrk, vv, vm) = sides
         mid = MidCodes(kr, ks, ko, mid_bits, kst, krk, kv, km, vr, vs, vo, mid_bits, vst, vrk, vv, vm, stat)
     return DecodeSegments(ex, rec, mid)
+
+
+def unprojected_mid(randn, kv_heads: int, dk: int, dv: int, page_rows: tuple[int, ...], bits: int):
+    """(MidCodes, pages): an unprojected Mid as ``runtime.codecs.MidSegment`` stores it, keys
+    [n, Hkv, dk] quantized per channel per page, values [n, Hkv, dv] per token and head, and
+    the per-page (keys, values) Quantized they were read from."""
+    pages = []
+    for n in page_rows:
+        if n:
+            keys = 2 * randn(n, kv_heads, dk) + randn(1, kv_heads, dk)
+            pages.append((quantize(keys, bits, reduce_dim=0), quantize(randn(n, kv_heads, dv), bits, reduce_dim=-1)))
+    counts = torch.tensor([n for n in page_rows if n])
+    stat = torch.repeat_interleave(torch.arange(counts.numel()), counts).to(torch.int32)
+    n = int(counts.sum())
+    cat = lambda tensors, width: torch.cat(tensors).float().reshape(-1, width)  # noqa: E731
+    ks, kr = rank_columns((dk,) * kv_heads)
+    vs, vr = rank_columns((dv,) * kv_heads)
+    mid = MidCodes(
+        torch.cat([k.codes for k, _ in pages]).reshape(n, -1), cat([k.scale for k, _ in pages], kv_heads * dk),
+        cat([k.offset for k, _ in pages], kv_heads * dk), bits, ks, kr, None, None,
+        torch.cat([v.codes for _, v in pages]).reshape(n, -1), cat([v.scale for _, v in pages], kv_heads),
+        cat([v.offset for _, v in pages], kv_heads), bits, vs, vr, None, None, stat,
+        projected=False, value_stats_per_row=True)
+    return mid, pages

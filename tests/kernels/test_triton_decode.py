@@ -120,6 +120,18 @@ def test_single_mid_page_only(bits, poisoned):
 
 
 @in_process
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_unprojected_mid_matches_float64_reference(bits, poisoned):
+    """Unprojected Mid codes (per-token value statistics) take the torch reference on this path."""
+    segs = synthetic_segments(kv_heads=2, group=4, exact=3, recent_pages=1, mid_page_rows=(8, 1, 0, 5),
+                              mid_bits=bits, seed=bits, projected=False)
+    q = torch.randn(8, 64)
+    out = run_kernel(q, segs, 0.125)
+    ref = reference_decode(q, segs, 0.125)
+    assert (out.double() - ref).abs().max().item() <= error_bound(q, segs, 0.125)
+
+
+@in_process
 def test_empty_splits_write_zero_weight(poisoned, monkeypatch):
     """More splits than token blocks: the empty splits must write lse=-inf and 0, not garbage."""
     monkeypatch.setattr(triton_decode, "FORCE_SPLITS", 9)
