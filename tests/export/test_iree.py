@@ -1,7 +1,9 @@
 """IREE runs the exported MLIR: both graphs compiled for llvm-cpu, driven by HostRunner (the same
-scheduler as onnxruntime), give the PyTorch session's tokens on Llama, Qwen3-MoE and DeepSeek-V3
-(MLA); the compressor's compiled dispatches compute no exponential."""
+scheduler as onnxruntime), give the PyTorch session's tokens on Llama (and, with
+KVTOPO_FULL_EXPORT=1, Qwen3-MoE and DeepSeek-V3 (MLA)); the compressor's compiled dispatches
+compute no exponential."""
 
+import os
 import re
 from pathlib import Path
 
@@ -45,6 +47,10 @@ def test_iree_host_runner_matches_session(llama_iree):
 
 
 # Qwen3-MoE: expert routers (top-k without a sort); DeepSeek-V3: MLA (latent cache, keys-only compressor).
+# Opt-in (KVTOPO_FULL_EXPORT=1, ~1 min each): in the suite, test_mlir checks that no sort or top-k
+# reaches these models' graphs and test_onnx / test_mla_export run the same graphs token-exact
+# in onnxruntime and OpenVINO.
+@pytest.mark.skipif(not os.environ.get("KVTOPO_FULL_EXPORT"), reason="IREE on MoE/MLA: set KVTOPO_FULL_EXPORT=1")
 @pytest.mark.parametrize("name,config", [("qwen3-moe", CONFIG), ("deepseek-v3", CONFIG.replace(layer_budget_bytes=22000))])
 def test_iree_moe_and_mla_match_session(name, config, tmp_path):
     model = zoo.build(name)

@@ -142,12 +142,12 @@ def test_answers_the_capital_of_france(smol):
 
 def test_lossless_session_gives_hf_greedy_tokens(smol):
     model, tokenizer = smol
-    ids = _prose_prompt(tokenizer, 1000)
-    assert 1000 <= ids.shape[1] <= 1100
-    new = 32
+    ids = _prose_prompt(tokenizer, 600)
+    assert 600 <= ids.shape[1] <= 700
+    new = 24
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=new, do_sample=False)
-    # The answer is longer than 32 tokens, so no eos cuts the comparison short.
+    # The answer is longer than 24 tokens, so no eos cuts the comparison short.
     assert expected.shape[1] == ids.shape[1] + new
     # Without Inductor: the rewrite and the session are what this checks on the real model (Inductor
     # with kvtopo is checked token-exact on the zoo models); compiling 30 layers with it costs ~80 s.
