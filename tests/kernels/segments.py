@@ -85,3 +85,17 @@ def unprojected_mid(randn, kv_heads: int, dk: int, dv: int, page_rows: tuple[int
         cat([v.offset for _, v in pages], kv_heads), bits, vs, vr, None, None, stat,
         projected=False, value_stats_per_row=True)
     return mid, pages
+
+
+def decode_on_threads(q, segs: DecodeSegments, scale: float, threads: int, softcap: float | None = None,
+                      out=None):
+    """`decode_attention` with torch's thread count set to `threads` (the CPU path splits Mid rows
+    over that many threads), restored afterwards."""
+    from kvtopo.kernels import fast_decode
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fast_decode.decode_attention(q, segs, scale, out=out, softcap=softcap)
+    finally:
+        torch.set_num_threads(before)

@@ -20,14 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvtopo
-from kvtopo.kernels import cpu_decode, fast_decode
+from kvtopo.kernels import cpu_decode
 from kvtopo.kernels.compressed_attention import merge_partials, partial_dense
 from kvtopo.kernels.decode_reference import reference_decode
 from kvtopo.runtime import decode_view
 from kvtopo.runtime.session import _history_partials
 
 from decode_bound import error_bound
-from segments import synthetic_segments
+from segments import decode_on_threads, synthetic_segments
 
 
 @st.composite
@@ -78,13 +78,8 @@ def test_cpu_path_matches_float64_reference(case, threads):
     g = torch.Generator().manual_seed(case["seed"] + 1)
     q = torch.randn(case["kv_heads"] * case["group"], case["dk"], generator=g)
     scale = case["dk"] ** -0.5
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = torch.full((q.shape[0], case["dv"]), float("nan"))
-        fast_decode.decode_attention(q, segs, scale, out=out)
-    finally:
-        torch.set_num_threads(before)
+    out = torch.full((q.shape[0], case["dv"]), float("nan"))
+    decode_on_threads(q, segs, scale, threads, out=out)
     assert torch.isfinite(out).all()
     ref = reference_decode(q, segs, scale)
     err = (out.double() - ref).abs().max().item()

@@ -31,7 +31,7 @@ from kvtopo.runtime import session as session_mod
 from kvtopo.runtime.session import _history_partials
 
 from decode_bound import U, error_bound
-from segments import synthetic_segments
+from segments import decode_on_threads, synthetic_segments
 
 CAPS = (5.0, 20.0, 50.0)
 Q_GAIN = 10.0  # logits up to ~40 on these segments: even cap=50 moves the output by ~0.1
@@ -78,12 +78,7 @@ def test_c_kernel_is_used():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_c_kernel_softcap_matches_float64(name, softcap, threads):
     segs, q, scale = _case(name, seed=7)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = fast_decode.decode_attention(q, segs, scale, softcap=softcap)
-    finally:
-        torch.set_num_threads(before)
+    out = decode_on_threads(q, segs, scale, threads, softcap=softcap)
     assert torch.isfinite(out).all()
     ref = capped_attention_f64(q, segs, scale, softcap)
     bound = capped_bound(q, segs, scale, softcap)

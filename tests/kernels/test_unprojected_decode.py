@@ -17,14 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvtopo
-from kvtopo.kernels import cpu_decode, fast_decode
+from kvtopo.kernels import cpu_decode
 from kvtopo.kernels.compressed_attention import merge_partials, partial_dense
 from kvtopo.kernels.decode_reference import reference_decode
 from kvtopo.kernels.quant import dequantize
 from kvtopo.runtime import decode_view
 from kvtopo.runtime.session import _history_partials
 
-from segments import synthetic_segments, unprojected_mid
+from segments import decode_on_threads, synthetic_segments, unprojected_mid
 from test_softcap_decode import capped_bound
 
 
@@ -59,12 +59,7 @@ def test_c_kernel_matches_float64_reference(case, threads, softcap):
     assert segs.mid is not None and not segs.mid.projected
     q = 3 * torch.randn(case["kv_heads"] * case["group"], case["dk"], generator=torch.Generator().manual_seed(case["seed"]))
     scale = case["dk"] ** -0.5
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = fast_decode.decode_attention(q, segs, scale, softcap=softcap)
-    finally:
-        torch.set_num_threads(before)
+    out = decode_on_threads(q, segs, scale, threads, softcap=softcap)
     ref = reference_decode(q, segs, scale, softcap=softcap)
     bound = capped_bound(q, segs, scale, softcap)
     err = (out.double() - ref).abs().max().item()
