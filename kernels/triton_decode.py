@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .decode_inputs import DecodeSegments, MidCodes, RecentCodes
+from .decode_inputs import DecodeSegments, MidCodes, RecentCodes, check_softcap
 from .compressed_attention import partial_dense, partial_lowrank
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -223,8 +223,7 @@ def _splits(n: int, heads: int, block: int, device: torch.device) -> tuple[int, 
 
 def _cap(softcap: float | None) -> float:
     """The kernels' runtime ``cap`` argument (unused when CAPPED is False)."""
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be positive (or None), got {softcap}")
+    check_softcap(softcap)
     return 1.0 if softcap is None else float(softcap)
 
 
