@@ -10,7 +10,8 @@ the runtime stores (see ``decode_inputs.DecodeSegments``):
   values per token statistics)                         -> ``_dense_split_kernel`` (QUANT=True)
 * Mid rows [N, ceil(C*b/8)] uint8, per-page stats,
   head bases                                           -> ``_mid_split_kernel``
-* unprojected Mid codes (per-token value statistics)  -> torch reference (``mid_partial``)
+* unprojected Mid codes (identity basis, per-token
+  value statistics)                                    -> ``_mid_split_kernel`` (VALUE_PER_ROW)
 
 Every kernel runs one program per (kv-head, split of tokens): the G query heads of a kv-head
 are the rows of one [G_PAD, ...] tile (GQA: keys/values are read once for the group). Codes are
@@ -18,9 +19,13 @@ loaded as bytes and unpacked in registers (shift + mask; first code in the low b
 with their statistics and fed to ``tl.dot``; no dequantized K/V or coefficient matrix is written
 to memory. Mid logits are ``(scale * q @ B_k) . c_k + scale * q . mean_k`` and the Mid output is
 accumulated in the coefficient domain (``p @ c_v``) and projected back (``@ B_v^T + mean_v``)
-once per split on the host side of the kernel (a [G, Rv] x [Rv, dv] product per split). Each
-split writes its normalised output and log-sum-exp (an empty split writes 0 and -inf); all
-splits of all segments are merged exactly by log-sum-exp.
+once per split on the host side of the kernel (a [G, Rv] x [Rv, dv] product per split). An
+unprojected Mid is the same computation on an identity basis: the query is only scaled (no
+projection, zero mean term) and the coefficients are the values, so nothing is projected back;
+with per-token value statistics (``VALUE_PER_ROW``, a constexpr) each row's value codes are
+dequantized with its own kv-head scale/offset instead of its page's per-column ones. Each split
+writes its normalised output and log-sum-exp (an empty split writes 0 and -inf); all splits of
+all segments are merged exactly by log-sum-exp.
 
 Logit softcapping (Gemma-2, ``softcap``): each logit becomes ``cap * tanh(logit / cap)`` right
 after its dot product, before the mask and the running max (``CAPPED`` is a constexpr, so the
@@ -149,7 +154,10 @@ def _mid_split_kernel(
     G: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr,
     G_PAD: tl.constexpr, RK_PAD: tl.constexpr, RV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, CAPPED: tl.constexpr,
+    VALUE_PER_ROW: tl.constexpr,
 ):
+    # value statistics: [Pm, VC] per page (row st, column of the code), or VALUE_PER_ROW
+    # [N, VC = Hkv] per token and kv-head
     h = tl.program_id(0)
     s = tl.program_id(1)
     S = tl.num_programs(1)
@@ -195,8 +203,14 @@ def _mid_split_kernel(
         vbit = vcol * VBITS
         vbyte = tl.load(vr_ptr + n[:, None].to(tl.int64) * v_bytes + (vbit >> 3), mask=vmask, other=0)
         vcode = (vbyte.to(tl.int32) >> (vbit & 7)) & ((1 << VBITS) - 1)
-        vst = st[:, None].to(tl.int64) * VC + vcol
-        cv = tl.load(vo_ptr + vst, mask=vmask, other=0.0) + vcode.to(tl.float32) * tl.load(vs_ptr + vst, mask=vmask, other=0.0)
+        if VALUE_PER_ROW:
+            vst = n.to(tl.int64) * VC + h
+            vsc = tl.load(vs_ptr + vst, mask=n_ok, other=0.0)
+            vof = tl.load(vo_ptr + vst, mask=n_ok, other=0.0)
+            cv = tl.where(vmask, vof[:, None] + vcode.to(tl.float32) * vsc[:, None], 0.0)
+        else:
+            vst = st[:, None].to(tl.int64) * VC + vcol
+            cv = tl.load(vo_ptr + vst, mask=vmask, other=0.0) + vcode.to(tl.float32) * tl.load(vs_ptr + vst, mask=vmask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p, cv, input_precision="ieee")
         m_i = m_new
     seen = l_i > 0
@@ -266,19 +280,18 @@ def dense_partial(q: Tensor, k: Tensor, v: Tensor, scale: float, recent: RecentC
 
 
 def mid_partial(q: Tensor, mid: MidCodes, scale: float, softcap: float | None = None):
-    """Split partials of q [Hq, d] over a Mid segment: o [Hq, S, dv], lse [Hq, S]."""
-    if not mid.projected:
-        # _mid_split_kernel reads per-page value statistics only: unprojected Mid (per-token
-        # value statistics) takes the torch reference, dequantizing the segment each step.
-        return partial_lowrank(q[:, None], *mid.decode(), scale, softcap=softcap)
-    hkv, dk, rk = mid.k_vectors.shape
-    dv, rv = mid.v_vectors.shape[1:]
-    hq = q.shape[0]
+    """Split partials of q [Hq, d] over a Mid segment, projected or not: o [Hq, S, dv], lse [Hq, S]."""
+    hkv, rv = mid.kv_heads, mid.value_width
+    hq, dk = q.shape
     g = hq // hkv
     n = mid.tokens
     qg = q.float().reshape(hkv, g, dk)
-    qp = (scale * (qg @ mid.k_vectors.float())).contiguous()
-    qb = (scale * (qg @ mid.k_mean.float()[..., None]))[..., 0].contiguous()
+    if mid.projected:
+        qp = (scale * (qg @ mid.k_vectors.float())).contiguous()  # [Hkv, G, Rk]
+        qb = (scale * (qg @ mid.k_mean.float()[..., None]))[..., 0].contiguous()  # [Hkv, G]
+    else:  # identity basis, zero mean
+        qp, qb = (scale * qg).contiguous(), qg.new_zeros(hkv, g)
+    rk = qp.shape[2]
     block = _block(q.device)
     splits, per = _splits(n, hkv, block, q.device)
     coef = _scratch(hkv, splits, g, rv, device=q.device)
@@ -290,10 +303,12 @@ def mid_partial(q: Tensor, mid: MidCodes, scale: float, softcap: float | None = 
         n, per, t[0].shape[1], t[3].shape[1], t[1].shape[1], t[4].shape[1], _cap(softcap),
         G=g, RK=rk, RV=rv, G_PAD=_pow2(g), RK_PAD=_pow2(rk), RV_PAD=_pow2(rv),
         BLOCK_N=block, KBITS=mid.k_bits, VBITS=mid.v_bits, CAPPED=softcap is not None,
+        VALUE_PER_ROW=mid.value_stats_per_row,
     )
-    # each split is normalised (weights sum to one), so the mean goes back per split
-    out = coef @ mid.v_vectors.float().transpose(1, 2)[:, None] + mid.v_mean.float()[:, None, None]
-    return out.transpose(1, 2).reshape(hq, splits, dv), lse.transpose(1, 2).reshape(hq, splits)
+    out = coef
+    if mid.projected:  # each split is normalised (weights sum to one), so the mean goes back per split
+        out = coef @ mid.v_vectors.float().transpose(1, 2)[:, None] + mid.v_mean.float()[:, None, None]
+    return out.transpose(1, 2).reshape(hq, splits, -1), lse.transpose(1, 2).reshape(hq, splits)
 
 
 def merge_splits(parts, out: Tensor | None = None) -> Tensor:

@@ -42,6 +42,7 @@ def test_softcap_in_fresh_interpreter_process():
 CASES = {  # interpreter-sized versions of the C tests' segments
     "mid-only": dict(SEGMENTS["mid-only"], mid_page_rows=(8, 3, 0, 5) * 3),
     "all-phases": dict(SEGMENTS["all-phases"], mid_page_rows=(8, 1, 7) * 2),
+    "mid-only-unprojected": dict(SEGMENTS["mid-only"], mid_page_rows=(8, 3, 0, 5, 1) * 2, projected=False),
 }
 
 

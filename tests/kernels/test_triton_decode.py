@@ -36,12 +36,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtopo.kernels import triton_decode
+from kvtopo.kernels.decode_inputs import MidCodes
 from kvtopo.kernels.decode_reference import reference_decode
 from kvtopo.kernels.quant import quantize
 from kvtopo.runtime import decode_view
 
 from decode_bound import error_bound
 from segments import synthetic_segments
+from test_softcap_decode import capped_bound
 
 in_process = pytest.mark.skipif(PREIMPORTED, reason="triton was imported without the interpreter: "
                                 "covered by test_in_fresh_interpreter_process")
@@ -81,12 +83,13 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(triton_decode, "POISON_SCRATCH", True)
 
 
-def run_kernel(q, segs, scale):
+def run_kernel(q, segs, scale, softcap=None):
     hq = q.shape[0]
     dv = (segs.exact[1].shape[-1] if segs.exact is not None else
-          segs.recent.dv if segs.recent is not None else segs.mid.v_vectors.shape[1])
+          segs.recent.dv if segs.recent is not None else
+          segs.mid.v_vectors.shape[1] if segs.mid.projected else segs.mid.value_width)
     out = torch.full((hq, dv), float("nan"))
-    result = triton_decode.triton_decode_attention(q, segs, scale, out=out)
+    result = triton_decode.triton_decode_attention(q, segs, scale, out=out, softcap=softcap)
     assert result is out
     return out
 
@@ -120,15 +123,63 @@ def test_single_mid_page_only(bits, poisoned):
 
 
 @in_process
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=segment_cases(), splits=st.sampled_from([None, 1, 3, 7]), softcap=st.sampled_from([None, 5.0, 50.0]))
+def test_unprojected_kernels_match_float64_reference(case, splits, softcap, poisoned, monkeypatch):
+    """Unprojected Mid (KIVI-style codes, per-token value statistics) in the mixes of segments
+    test_kernels_match_float64_reference draws, capped or not."""
+    monkeypatch.setattr(triton_decode, "FORCE_SPLITS", splits)
+    segs = synthetic_segments(**case, projected=False)
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    q = torch.randn(case["kv_heads"] * case["group"], case["dk"], generator=g)
+    scale = case["dk"] ** -0.5
+    out = run_kernel(q, segs, scale, softcap)
+    assert torch.isfinite(out).all(), "some output element was not written"
+    ref = reference_decode(q, segs, scale, softcap=softcap)
+    bound = capped_bound(q, segs, scale, softcap)
+    assert (out.double() - ref).abs().max().item() <= bound
+
+
+@in_process
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_unprojected_mid_matches_float64_reference(bits, poisoned):
-    """Unprojected Mid codes (per-token value statistics) take the torch reference on this path."""
-    segs = synthetic_segments(kv_heads=2, group=4, exact=3, recent_pages=1, mid_page_rows=(8, 1, 0, 5),
-                              mid_bits=bits, seed=bits, projected=False)
+@pytest.mark.parametrize("softcap", [None, 20.0])
+@pytest.mark.parametrize("exact", [0, 3])
+def test_unprojected_mid_matches_float64_reference(bits, softcap, exact, poisoned):
+    """Unprojected Mid with pages of 0 and 1 rows, GQA group 4, alone or after exact/Recent."""
+    segs = synthetic_segments(kv_heads=2, group=4, exact=exact, recent_pages=exact // 3,
+                              mid_page_rows=(8, 1, 0, 5, 1), mid_bits=bits, seed=bits, projected=False)
+    q = 4.0 * torch.randn(8, 64, generator=torch.Generator().manual_seed(bits))
+    out = run_kernel(q, segs, 0.125, softcap)
+    assert torch.isfinite(out).all()
+    ref = reference_decode(q, segs, 0.125, softcap=softcap)
+    assert (out.double() - ref).abs().max().item() <= capped_bound(q, segs, 0.125, softcap)
+
+
+@in_process
+def test_unprojected_mid_launches_the_triton_kernel(monkeypatch):
+    """Unprojected Mid is attended by ``_mid_split_kernel`` (one launch over its kv-heads), and
+    nothing dequantizes it for the torch reference."""
+    segs = synthetic_segments(kv_heads=2, group=4, exact=0, recent_pages=0, mid_page_rows=(8, 1, 0, 5),
+                              projected=False)
     q = torch.randn(8, 64)
+    ref, bound = reference_decode(q, segs, 0.125), error_bound(q, segs, 0.125)
+    launches = []
+    kernel = triton_decode._mid_split_kernel
+
+    class RecordLaunch:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    def fallback(*args, **kwargs):
+        raise AssertionError("unprojected Mid took the torch fallback")
+
+    monkeypatch.setattr(triton_decode, "_mid_split_kernel", RecordLaunch())
+    monkeypatch.setattr(triton_decode, "partial_lowrank", fallback)
+    monkeypatch.setattr(MidCodes, "decode", fallback)
     out = run_kernel(q, segs, 0.125)
-    ref = reference_decode(q, segs, 0.125)
-    assert (out.double() - ref).abs().max().item() <= error_bound(q, segs, 0.125)
+    assert len(launches) == 1 and launches[0][0] == 2
+    assert (out.double() - ref).abs().max().item() <= bound
 
 
 @in_process
