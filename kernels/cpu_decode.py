@@ -150,14 +150,9 @@ def mid_partial_cpu(q: Tensor, mid: MidCodes, scale: float, softcap: float | Non
         out, lse = partial_lowrank(q[:, None], keys, values, scale, softcap=softcap)
         return out[:, 0], lse[:, 0]
     hkv, rv = mid.kv_heads, mid.value_width
-    hq, dk = q.shape
+    hq = q.shape[0]
     g = hq // hkv
-    qg = q.float().reshape(hkv, g, dk)
-    if mid.projected:
-        qp = (scale * (qg @ mid.k_vectors)).contiguous()  # [Hkv, G, Rk]
-        qb = (scale * (qg @ mid.k_mean[..., None]))[..., 0].contiguous()  # [Hkv, G]
-    else:  # identity basis, zero mean
-        qp, qb = (scale * qg).contiguous(), qg.new_zeros(hkv, g)
+    qp, qb = mid.query_terms(q, scale)  # [Hkv, G, Rk], [Hkv, G]
     splits = max(1, -(-mid.tokens // ROWS_PER_SPLIT))
     coef = torch.empty(splits, hkv, g, rv)
     lse = torch.empty(splits, hkv, g)
@@ -182,5 +177,5 @@ def mid_partial_cpu(q: Tensor, mid: MidCodes, scale: float, softcap: float | Non
     w = torch.exp(lse - m)  # [S, Hkv, G]
     total = w.sum(0)
     mixed = (w[..., None] * coef).sum(0) / total.clamp_min(1e-38)[..., None]  # [Hkv, G, Rv]
-    out = mixed @ mid.v_vectors.transpose(1, 2) + mid.v_mean[:, None] if mid.projected else mixed
+    out = mid.values_out(mixed)
     return out.reshape(hq, -1), (m[0] + total.log()).reshape(hq)

@@ -114,6 +114,26 @@ class MidCodes:
             return self.v_vectors.shape[2]
         return self.v_rows.shape[1] * (8 // self.v_bits) // self.kv_heads
 
+    def query_terms(self, q: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """What the Mid kernels dot with the key codes: q [Hq, dk] projected on the key bases and
+        scaled, [Hkv, G, Rk], and its mean term scale * q . mean_k, [Hkv, G] (unprojected: the
+        scaled query and zeros, the identity basis with zero mean)."""
+        qg = q.float().reshape(self.kv_heads, -1, q.shape[-1])
+        if not self.projected:
+            return (scale * qg).contiguous(), qg.new_zeros(qg.shape[:2])
+        projected = (scale * (qg @ self.k_vectors.float())).contiguous()
+        return projected, (scale * (qg @ self.k_mean.float()[..., None]))[..., 0].contiguous()
+
+    def values_out(self, coefficients: Tensor) -> Tensor:
+        """Attention-weighted value coefficients [Hkv, ..., Rv] back to values [Hkv, ..., dv]
+        (projected: through the value bases and mean; unprojected: they are the values)."""
+        if not self.projected:
+            return coefficients
+        vectors, mean = self.v_vectors.float(), self.v_mean.float()
+        shape = coefficients.shape
+        flat = coefficients.reshape(shape[0], -1, shape[-1])
+        return (flat @ vectors.transpose(1, 2) + mean[:, None]).reshape(*shape[:-1], vectors.shape[1])
+
     def decode(self) -> tuple[LowRankHeads, LowRankHeads]:
         """Dequantized coefficients as LowRankHeads, on an identity basis with zero mean when
         unprojected (reference/fallback only)."""

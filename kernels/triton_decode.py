@@ -282,15 +282,10 @@ def dense_partial(q: Tensor, k: Tensor, v: Tensor, scale: float, recent: RecentC
 def mid_partial(q: Tensor, mid: MidCodes, scale: float, softcap: float | None = None):
     """Split partials of q [Hq, d] over a Mid segment, projected or not: o [Hq, S, dv], lse [Hq, S]."""
     hkv, rv = mid.kv_heads, mid.value_width
-    hq, dk = q.shape
+    hq = q.shape[0]
     g = hq // hkv
     n = mid.tokens
-    qg = q.float().reshape(hkv, g, dk)
-    if mid.projected:
-        qp = (scale * (qg @ mid.k_vectors.float())).contiguous()  # [Hkv, G, Rk]
-        qb = (scale * (qg @ mid.k_mean.float()[..., None]))[..., 0].contiguous()  # [Hkv, G]
-    else:  # identity basis, zero mean
-        qp, qb = (scale * qg).contiguous(), qg.new_zeros(hkv, g)
+    qp, qb = mid.query_terms(q, scale)  # [Hkv, G, Rk], [Hkv, G]
     rk = qp.shape[2]
     block = _block(q.device)
     splits, per = _splits(n, hkv, block, q.device)
@@ -305,9 +300,7 @@ def mid_partial(q: Tensor, mid: MidCodes, scale: float, softcap: float | None = 
         BLOCK_N=block, KBITS=mid.k_bits, VBITS=mid.v_bits, CAPPED=softcap is not None,
         VALUE_PER_ROW=mid.value_stats_per_row,
     )
-    out = coef
-    if mid.projected:  # each split is normalised (weights sum to one), so the mean goes back per split
-        out = coef @ mid.v_vectors.float().transpose(1, 2)[:, None] + mid.v_mean.float()[:, None, None]
+    out = mid.values_out(coef)  # each split is normalised (weights sum to one): the mean goes back per split
     return out.transpose(1, 2).reshape(hq, splits, -1), lse.transpose(1, 2).reshape(hq, splits)
 
 
