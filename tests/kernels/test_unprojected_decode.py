@@ -118,3 +118,19 @@ def test_mla_mid_has_no_codes_view():
         out = s.attend("l", torch.randn(1, hq, 1, d), k[..., :1, :], k[..., :1, :dv], None, d**-0.5,
                        shared_value_dim=dv)
         assert out.shape == (1, hq, 1, dv) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dim, viewed", [(4, True), (3, False)])
+def test_codes_view_needs_whole_bytes_per_head(dim, viewed):
+    """4-bit codes of a 3-dim head end mid-byte, so the heads' codes cannot be read as one flat row:
+    no codes view (the torch path decodes it) rather than a misread one."""
+    from kvtopo.runtime.codecs import MidSegment
+    from kvtopo.runtime.policies import MidEncoding
+
+    mid = MidSegment(MidEncoding(evict=True, key_bits=4, value_bits=4), None, None, torch.float32)
+    g = torch.Generator().manual_seed(dim)
+    mid.append_page(torch.randn(2, 5, dim, generator=g), torch.randn(2, 5, dim, generator=g))
+    codes = decode_view.mid_codes(mid)
+    assert (codes is not None) == viewed
+    if viewed:
+        assert not codes.projected and codes.tokens == 5 and codes.kv_heads == 2
