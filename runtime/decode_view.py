@@ -15,35 +15,32 @@ from kvtopo.kernels.fast_decode import decode_attention
 from .codecs import CodedRows, MidSegment
 from .layer_cache import LayerCache
 
-_STAT_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def _row_stat(coded: CodedRows) -> Tensor:
-    """[N] int32 statistics row of every Mid code row, from page_rows (cached per buffer size)."""
-    hit = _STAT_CACHE.get(coded)
-    if hit is not None and hit[0] == coded.count:
-        return hit[1]
+    """[N] int32 statistics row of every Mid code row, from page_rows."""
     counts = coded.page_rows[coded.page_rows > 0].long()
-    idx = torch.repeat_interleave(torch.arange(counts.numel()), counts).to(torch.int32)
-    idx = idx.to(coded.rows.device)
-    _STAT_CACHE[coded] = (coded.count, idx)
-    return idx
-
-
-_F32_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    return torch.repeat_interleave(torch.arange(counts.numel()), counts).to(torch.int32).to(coded.rows.device)
 
 
 def _stats_f32(coded: CodedRows) -> tuple[Tensor, Tensor]:
-    """float32 (scale, offset) of a CodedRows (stored float16), converted once per append."""
-    hit = _F32_CACHE.get(coded)
-    if hit is not None and hit[0] == coded.count and hit[1] is coded.scale:
-        return hit[2]
-    pair = (coded.scale.float().contiguous(), coded.offset.float().contiguous())
-    _F32_CACHE[coded] = (coded.count, coded.scale, pair)
-    return pair
+    """float32 (scale, offset) of a CodedRows (stored float16)."""
+    return coded.scale.float().contiguous(), coded.offset.float().contiguous()
+
+
+_VIEWS: "weakref.WeakKeyDictionary[MidSegment, tuple]" = weakref.WeakKeyDictionary()
 
 
 def mid_codes(mid: MidSegment) -> MidCodes | None:
+    """``_codes_view`` of the segment, built once per append and reused by every decode step: a
+    segment changes only when rows are appended, which replaces its key rows' view object."""
+    hit = _VIEWS.get(mid)
+    if hit is not None and hit[0] is mid.keys.rows:
+        return hit[1]
+    codes = _codes_view(mid)
+    _VIEWS[mid] = (mid.keys.rows, codes)
+    return codes
+
+
+def _codes_view(mid: MidSegment) -> MidCodes | None:
     """MidCodes view of a quantized ``MidSegment`` (else None: float Mid takes the torch path).
 
     Unprojected codes [N, Hkv, d / codes per byte] are read as one row of Hkv * d codes (an
