@@ -21,14 +21,18 @@ protected 1/4, 1/4 at 1.82x; snapkv: 1/4, 0/4 at 1.90x, protected 1/4, 0/4 at 1.
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-import kvtopo
-from kvtopo.models.instruction_tasks import RULES, make_instruction_example
-from kvtopo.models.pretrained import chat_prompt, smollm2
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quality  # noqa: E402  (kivi's bits per nominal ratio)
+
+import kvtopo  # noqa: E402
+from kvtopo.models.instruction_tasks import RULES, make_instruction_example  # noqa: E402
+from kvtopo.models.pretrained import chat_prompt, smollm2  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NEW_TOKENS = 48
@@ -39,7 +43,7 @@ def policy_config(policy: str, ratio: float) -> kvtopo.Config:
     if policy == "full":
         return kvtopo.Config.lossless()
     if policy == "kivi":
-        return kvtopo.Config(policy="kivi", target_ratio=None, mid_bits={2: 8, 4: 4, 8: 2}[int(ratio)])
+        return kvtopo.Config(policy="kivi", target_ratio=None, mid_bits=quality.KIVI_BITS[ratio])
     return kvtopo.Config(policy=policy, target_ratio=ratio)
 
 
