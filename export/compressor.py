@@ -3,9 +3,10 @@
 What `runtime.layer_cache` does to a page entering Mid under the `topo` policy, as a pure
 function of tensors with static shapes (so NPU toolchains get one fixed graph):
 
-1. score every token with `kernels.scoring.expfree_scores` (matmul, max, subtract, relu, sum —
-   no exponential) against the observation-window queries, carried forward to each token's
-   successors (`runtime.policies.topo.carry_forward`, a running max);
+1. score every token with the store's own function, `runtime.policies.topo.topo_scores`
+   (`kernels.scoring.expfree_scores`: matmul, max, subtract, relu, sum — no exponential —
+   against the observation-window queries, padding rows masked, carried forward to each
+   token's successors by a running max);
 2. keep the `keep` highest per kv-head. Instead of TopK (data-dependent output shape, and an
    unspecified order among equal scores) each token's rank is counted with comparisons
    (`descending_ranks`), kept = rank < keep, i.e. ties go to the
@@ -39,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from kvtopo.kernels.quant import SCALE_TOLERANCE
-from kvtopo.runtime.policies.topo import carry_forward
+from kvtopo.runtime.policies.topo import topo_scores
 
 from .f16 import round_toward_f16
 
@@ -88,17 +89,6 @@ def quantize_columns(x: Tensor, valid: Tensor, bits: int) -> tuple[Tensor, Tenso
     return torch.where(rows, codes, torch.zeros_like(codes)), scale, offset, use16
 
 
-def expfree_page_scores(keys: Tensor, queries: Tensor, num_queries: Tensor, scale: Tensor, margin: float) -> Tensor:
-    """The topo policy's score: `kernels.scoring.expfree_scores` with padded query rows (rows >=
-    num_queries count zero), carried forward to each token's successors."""
-    kv_heads, _, d = keys.shape
-    hq, w, _ = queries.shape
-    logits = (queries.reshape(kv_heads, hq // kv_heads * w, d) * scale) @ keys.transpose(1, 2)
-    row_valid = (torch.arange(w, device=keys.device) < num_queries).repeat(hq // kv_heads)
-    credit = torch.relu(logits - logits.amax(-1, keepdim=True) + margin)
-    return carry_forward((credit * row_valid[None, :, None].float()).sum(1))
-
-
 def descending_ranks(scores: Tensor) -> Tensor:
     """Each element's place [..., N] in a descending order of its row (ties: lower index first):
     ``rank_i = #{j: s_j > s_i} + #{j < i: s_j == s_i}``. Comparisons and sums only: no sort or
@@ -142,7 +132,7 @@ class PageCompressor(nn.Module):
         return kept, ck, k_scale, k_offset, cv, v_scale, v_offset, torch.stack([k16, v16])
 
     def _select(self, keys, queries, num_queries, keep, scale):
-        scores = expfree_page_scores(keys, queries, num_queries, scale, self.margin)
+        scores = topo_scores(queries, keys, scale, self.margin, num_queries)
         return select_kept(scores, keep), torch.arange(keys.shape[1], device=keys.device) < keep
 
     def _code(self, x, kept, valid, vectors, mean):

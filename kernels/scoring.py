@@ -58,16 +58,23 @@ def _grouped_logits(q_obs: Tensor, k: Tensor, scale: float) -> Tensor:
     return (q_obs.float().reshape(kv_heads, hq // kv_heads * w, d) * scale) @ k.float().transpose(1, 2)
 
 
-def expfree_scores(q_obs: Tensor, k: Tensor, scale: float, margin: float = DEFAULT_MARGIN) -> Tensor:
+def expfree_scores(q_obs: Tensor, k: Tensor, scale, margin: float = DEFAULT_MARGIN, num_queries=None) -> Tensor:
     """Exponential-free importance [Hkv, N] of keys k [Hkv, N, d] for queries q_obs [Hq, W, d].
 
-    Higher is more important. ``margin`` is in logit units (after ``scale``).
+    Higher is more important. ``margin`` is in logit units (after ``scale``). ``num_queries``
+    (an int or a 0-dim tensor, for graphs with a fixed window): only the first that many of the
+    W positions are queries, the rest padding that gets no say.
     """
     logits = _grouped_logits(q_obs, k, scale)
     if logits.shape[-1] == 0:
         return logits.sum(1)
     row_max = logits.amax(-1, keepdim=True)
-    return torch.relu(logits - row_max + margin).sum(1)
+    credit = torch.relu(logits - row_max + margin)
+    if num_queries is not None:
+        hq, w = q_obs.shape[:2]
+        rows = (torch.arange(w, device=k.device) < num_queries).repeat(hq // k.shape[0])
+        credit = credit * rows[None, :, None].float()
+    return credit.sum(1)
 
 
 def softmax_mass(q_obs: Tensor, k: Tensor, scale: float) -> Tensor:

@@ -31,6 +31,14 @@ def carry_forward(score: torch.Tensor, successors: int = SUCCESSORS) -> torch.Te
     padded = F.pad(score[:, None], (successors, 0), value=float("-inf"))
     return F.max_pool1d(padded, successors + 1, stride=1)[:, 0]
 
+
+def topo_scores(queries: torch.Tensor, keys: torch.Tensor, scale, margin: float, num_queries=None) -> torch.Tensor:
+    """The topo policy's token scores [Hkv, n]: exp-free importance carried forward. The store
+    calls it on live tensors; export/compressor.py traces it into the exported page compressor
+    (with `num_queries` masking the fixed window's padding)."""
+    return carry_forward(expfree_scores(queries, keys, scale, margin, num_queries))
+
+
 from .base import MidEncoding, Policy, ScoreInputs
 
 
@@ -49,4 +57,4 @@ class Topo(Policy):
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         if inputs.queries is None:
             return inputs.keys.new_zeros(inputs.keys.shape[:2])
-        return carry_forward(expfree_scores(inputs.queries, inputs.keys, inputs.scale, margin=self.config.score_margin))
+        return topo_scores(inputs.queries, inputs.keys, inputs.scale, self.config.score_margin)
