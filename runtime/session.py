@@ -155,6 +155,28 @@ class Session:
                 out[b, :, rows] = out_b
         return out
 
+    def attend_sequence(self, layer: str, seq: int, query, key, value, scale: float, *,
+                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of one sequence's queries [Hq, T, d] over layer `layer`'s history of sequence
+        `seq` and its new keys/values [Hkv, T, d] (causal within the chunk), then store the chunk.
+
+        For callers that keep their own request -> sequence map (a serving engine packing many
+        requests into one flat batch): any int is a sequence id, sequences join when first seen
+        and leave with `release`. `attend` (batch row b = sequence b) is for one fixed batch."""
+        if not self.active:
+            raise RuntimeError("kvtopo session used after it was closed")
+        cache = self.layers.get(layer)
+        if cache is None:
+            cache = self.layers[layer] = self._new_layer(None, None)
+        cache.scale = scale
+        self.calls += 1
+        return self._attend_one(cache, seq, query, key, value, scale, softcap, sinks)
+
+    def release(self, seq: int) -> None:
+        """Forget sequence `seq` in every layer: its pool slots go back to each layer's free list."""
+        for cache in self.layers.values():
+            cache.release(seq)
+
     def _new_layer(self, shared_value_dim: int | None, window: int | None) -> LayerCache:
         """A layer's store. A windowed layer only ever needs its last `window` tokens, so it keeps
         them exactly (the compression policy applies to the global layers) and frees the rest."""
@@ -219,7 +241,7 @@ class Session:
             per_layer[name] = sum(kinds.values())
             for kind, n in kinds.items():
                 per_kind[kind] = per_kind.get(kind, 0) + n
-            held[name] = tuple(cache.held_tokens(seq) for seq in range(self._batch or 0))
+            held[name] = tuple(cache.held_tokens(seq) for seq in self._sequence_ids(cache))
             if cache.pool is not None:
                 heads, kd, vd = cache.pool.keys.shape[1], cache.pool.keys.shape[-1], cache.pool.values.shape[-1]
                 # An fp16 cache of a windowed layer holds only its window too (what HF keeps).
@@ -228,8 +250,14 @@ class Session:
             missed |= any(cache.over_budget(seq) for seq in cache.sequences)
         if self.layers:
             first = next(iter(self.layers.values()))
-            tokens = [first.length(s) for s in range(self._batch or 0)]
+            tokens = [first.length(s) for s in self._sequence_ids(first)]
         return CacheStats(sum(per_layer.values()), per_layer, per_kind, tuple(tokens), fp16, missed, held)
+
+
+    def _sequence_ids(self, cache: LayerCache):
+        """The sequences stats() reports: batch rows 0..B-1, or (sequences added through
+        `attend_sequence` only) the ids the layer holds, ascending."""
+        return range(self._batch) if self._batch is not None else sorted(cache.sequences)
 
 
 def _history_partials(q, segments: Segments, scale: float, softcap: float | None) -> list:
