@@ -1,0 +1,151 @@
+"""kvtopo as the KV cache of transformers' continuous batching (serving/continuous_batching.py)."""
+
+import random
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+from kvtopo.config import Config
+from kvtopo.models import zoo
+from kvtopo.runtime.session import Session
+from kvtopo.serving.continuous_batching import (ATTN_IMPLEMENTATION, KvtopoBatchingManager, generate_batch,
+                                                page_ownership_errors)
+
+GREEDY = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def _engine(**overrides):
+    # Small enough that prefills are split over several forwards and requests join mid-run.
+    return ContinuousBatchingConfig(**{"num_blocks": 32, "page_size": 32, "max_batch_tokens": 64, **overrides})
+
+
+def _reference(model, prompt, new_tokens):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_lossless_tokens_equal_the_engines_own_paged_cache():
+    model = zoo.build("llama")
+    prompts = _prompts((40, 75, 13, 130))
+    own = model.generate_batch(prompts, generation_config=GREEDY, max_new_tokens=12,
+                               continuous_batching_config=_engine())
+    session = Session(Config.lossless())
+    result = generate_batch(model, prompts, max_new_tokens=12, generation_config=GREEDY,
+                            continuous_batching_config=_engine(), session=session)
+
+    assert list(result.outputs) == list(own) == [f"req_{i}" for i in range(len(prompts))]
+    for request_id, out in result.outputs.items():
+        assert len(out.generated_tokens) == 12
+        assert out.generated_tokens == own[request_id].generated_tokens, request_id
+    # The kvtopo run went through kvtopo's store: every layer held every request at its peak.
+    assert len(result.peak.per_layer) == model.config.num_hidden_layers
+    assert result.peak.total_bytes > 0
+    # Finished requests gave their pages back; the model has its own attention again.
+    assert all(not cache.sequences and cache.pool.live_pages == 0 for cache in session.layers.values())
+    assert model.config._attn_implementation == "sdpa"
+    assert not hasattr(model, "_cached_continuous_batching_manager")
+
+
+def test_default_compressed_config_holds_fewer_bytes_and_generates():
+    model = zoo.build("llama")
+    prompts = _prompts((420, 380, 300), seed=3)
+    runs = {}
+    for name, config in (("lossless", Config.lossless()), ("topo", Config())):
+        runs[name] = generate_batch(model, prompts, config, max_new_tokens=6, generation_config=GREEDY,
+                                    continuous_batching_config=_engine(num_blocks=64, max_batch_tokens=512))
+    for out in runs["topo"].outputs.values():
+        assert len(out.generated_tokens) == 6
+        assert all(0 <= t < model.config.vocab_size for t in out.generated_tokens)
+    topo, exact = runs["topo"].peak, runs["lossless"].peak
+    assert topo.per_kind["mid"] > 0  # pages were compressed
+    assert topo.total_bytes < exact.total_bytes / 2, (topo.total_bytes, exact.total_bytes)
+
+
+def test_interleaved_joins_evictions_and_finishes_keep_pages_owned():
+    """Requests join, are cancelled, evicted by the engine (re-prefilled later) and finish, one
+    engine step at a time; after every step no pool slot is in two sequences' block tables,
+    every live slot belongs to a live request, and finished requests' tokens equal HF generate's."""
+    rng = random.Random(16)
+    reference_model = zoo.build("llama")
+    plans = [(f"r{i}", _prompts((rng.randint(4, 70),), seed=100 + i)[0], rng.randint(2, 24)) for i in range(14)]
+    expected = {rid: _reference(reference_model, prompt, new) for rid, prompt, new in plans}
+
+    model = zoo.build("llama")
+    session = Session(Config.lossless(page_size=8))
+    manager = KvtopoBatchingManager(model, session, GREEDY,
+                                    _engine(num_blocks=8, page_size=16, max_batch_tokens=40, safety_margin=0.0))
+    released_slots = {}  # layer -> slots freed by released sequences, not yet seen again
+    reused = 0
+    release = session.release
+
+    def recording_release(seq):
+        for name, cache in session.layers.items():
+            if seq in cache.sequences:
+                released_slots.setdefault(name, set()).update(cache.sequences[seq].block_table.tolist())
+        release(seq)
+
+    session.release = recording_release
+    seqs_seen: dict[str, set[int]] = {}
+    cancelled, pending = set(), list(plans)
+    with session:
+        processor = manager._create_batch_processor()
+        manager.batch_processor, manager.current_batch = processor, 0
+        cache = processor.cache
+        for step in range(400):
+            if pending and rng.random() < 0.35:
+                rid, prompt, new = pending.pop(0)
+                manager.add_request(prompt, request_id=rid, max_new_tokens=new)
+            active = list(processor.scheduler.active_requests)
+            # Never the last active request: transformers 5.24 then stalls after an eviction (its
+            # scheduler blocks new requests until an active one finishes, and none is left to).
+            if len(active) > 1 and rng.random() < 0.04:
+                victim = rng.choice(active)
+                manager.cancel_request(victim)
+                cancelled.add(victim)
+            manager._generation_loop_body(processor, bootstrapping=False)
+
+            assert page_ownership_errors(session) == [], step
+            live = set(cache.sequence_of.values())
+            for name, layer in session.layers.items():
+                assert set(layer.sequences) <= live, (step, name)
+                for seq, entry in layer.sequences.items():
+                    again = released_slots.get(name, set()) & set(entry.block_table.tolist())
+                    reused += len(again)
+                    released_slots[name] = released_slots.get(name, set()) - again
+            for rid, seq in cache.sequence_of.items():
+                seqs_seen.setdefault(rid, set()).add(seq)
+            if not pending and not processor.has_pending_requests():
+                break
+    results = {}
+    while not manager.output_router.output_queue.empty():
+        out = manager.output_router.output_queue.get()
+        results[out.request_id] = out
+
+    finished = {rid for rid, _, _ in plans} - cancelled
+    assert finished <= set(results) and len(finished) >= 8
+    for rid in finished:
+        assert results[rid].error is None, results[rid].error
+        assert results[rid].generated_tokens == expected[rid], rid
+    evicted = [rid for rid, seqs in seqs_seen.items() if len(seqs) > 1]
+    assert evicted, "the engine evicted no request: the test did not exercise re-prefill"
+    assert reused > 0
+    print(f"{len(finished)} finished, {len(cancelled)} cancelled, evicted {evicted}, {reused} released slots reused")
+    assert all(not layer.sequences and layer.pool.live_pages == 0 for layer in session.layers.values())
+    assert cache.cache_tensor.device.type == "meta"  # the engine's own KV tensor was never materialised
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+
+
+def test_refuses_other_engine_features():
+    model = zoo.build("llama")
+    with pytest.raises(NotImplementedError, match="num_return_sequences"):
+        KvtopoBatchingManager(model, Session(), GenerationConfig(num_return_sequences=2, do_sample=True))
+    with pytest.raises(NotImplementedError, match="full-attention"):
+        KvtopoBatchingManager(zoo.build("mistral-sw", zoo.attn_implementations("mistral-sw")[0]), Session(), GREEDY)
