@@ -335,9 +335,9 @@ def generate_batch(model, inputs: list[list[int]], config: Config | None = None,
 
 
 def page_ownership_errors(session: Session) -> list[str]:
-    """Every way the session's pools break page ownership, as messages (empty: none): a pool slot
-    in two sequences' block tables, a block table pointing outside its pool, or live slots that no
-    sequence's block table holds (leaked) / slots in block tables the pool counts as free."""
+    """How the session's pools break page ownership, as messages (empty: none): a pool slot in
+    two sequences' block tables, a block table pointing outside its pool, or a pool counting more
+    or fewer live slots than its layer's block tables hold (a leaked or a double-counted slot)."""
     errors = []
     for name, cache in session.layers.items():
         owner: dict[int, int] = {}
