@@ -327,11 +327,14 @@ def generate_batch(model, inputs: list[list[int]], config: Config | None = None,
     finally:
         if getattr(model, "_cached_continuous_batching_manager", None) is manager:
             del model._cached_continuous_batching_manager
+    if manager.kv_cache is None:
+        raise RuntimeError("transformers' generate_batch did not run kvtopo's manager (it reuses a manager cached on "
+                           "the model only if it is its own ContinuousBatchingManager class)")
     failed = {rid: out.error for rid, out in outputs.items() if out.error is not None}
     if failed or len(outputs) != len(inputs):
         raise RuntimeError(f"kvtopo continuous batching: {len(outputs)} of {len(inputs)} requests returned; "
                            f"failed: {failed}")
-    return BatchResult(outputs, manager.kv_cache.peak if manager.kv_cache is not None else None)
+    return BatchResult(outputs, manager.kv_cache.peak)
 
 
 def page_ownership_errors(session: Session) -> list[str]:

@@ -10,6 +10,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from kvtopo.config import Config
 from kvtopo.models import zoo
 from kvtopo.runtime.session import Session
+from kvtopo.serving import continuous_batching
 from kvtopo.serving.continuous_batching import (ATTN_IMPLEMENTATION, KvtopoBatchingManager, generate_batch,
                                                 page_ownership_errors)
 
@@ -143,9 +144,17 @@ def test_interleaved_joins_evictions_and_finishes_keep_pages_owned():
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION
 
 
-def test_refuses_other_engine_features():
+def test_refuses_other_engine_features(monkeypatch):
+    model = zoo.build("llama")
+    with pytest.raises(RuntimeError, match="kvtopo_paged|runs only inside"):
+        # The registered attention outside kvtopo's engine has no store to read the history from.
+        KvtopoBatchingManager(model, Session(), GREEDY)  # registers it; the model now asks for it
+        model(torch.tensor([[1, 2, 3]]))
     model = zoo.build("llama")
     with pytest.raises(NotImplementedError, match="num_return_sequences"):
         KvtopoBatchingManager(model, Session(), GenerationConfig(num_return_sequences=2, do_sample=True))
     with pytest.raises(NotImplementedError, match="full-attention"):
         KvtopoBatchingManager(zoo.build("mistral-sw", zoo.attn_implementations("mistral-sw")[0]), Session(), GREEDY)
+    monkeypatch.setattr(continuous_batching.transformers, "__version__", "5.25.0")
+    with pytest.raises(RuntimeError, match="transformers 5.24.0 only"):
+        generate_batch(model, [[1, 2, 3]], Config.lossless(), max_new_tokens=2, generation_config=GREEDY)
