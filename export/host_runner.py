@@ -7,9 +7,9 @@ queries + head bases -> kept tokens, codes, statistics; exponential-free) and `l
 modules. `HostRunner` keeps the cache on the host and drives both through an executor
 (`export.executors`: onnxruntime, OpenVINO or IREE, one `run(graph, inputs) -> outputs` each):
 
-* the phase schedule is `runtime.phases.PhasePlan` of the same `Config`, applied exactly as the
-  PyTorch session applies it (pages settle as each new page opens; Terminal -> Initial/Recent/Mid,
-  Recent -> Mid; budget from `target_ratio` / `layer_budget_bytes` counting the same bytes);
+* every lifecycle decision (where tokens go, which pages move and when, the budget, how many
+  tokens a Mid page keeps) is made by `runtime.lifecycle.Lifecycle`, the code the PyTorch store
+  runs; each layer here implements only its hooks over host tensors, counting the same bytes;
 * Recent pages are encoded on the host with `runtime.codecs.encode_recent` (the same int8 code as
   the session; a per-page min/max, cheap on any host CPU);
 * Mid pages go through the exported compressor graph (score, select, project, quantize);
@@ -39,8 +39,8 @@ import torch
 
 from kvtopo.config import Config
 from kvtopo.runtime.codecs import HeadBases, MidSegment, RecentPage, encode_recent, fit_bases
-from kvtopo.runtime.layer_cache import BudgetExceeded, observed_positions, page_room
-from kvtopo.runtime.phases import TRANSITIONS, Phase, PhasePlan
+from kvtopo.runtime.lifecycle import Lifecycle, PageState, SequenceState
+from kvtopo.runtime.phases import Phase
 from kvtopo.runtime.policies import make_policy
 
 from .executors import open_executor
@@ -48,30 +48,23 @@ from .layout import CacheLayout
 
 
 @dataclass
-class _Page:
-    phase: Phase
-    tokens: int = 0
+class _Page(PageState):
     keys: torch.Tensor | None = None  # exact storage [Hkv, P, dk] while the page is exact
     values: torch.Tensor | None = None  # [Hkv, P, dv]; None when the values live in the keys (MLA)
     recent: RecentPage | None = None
-    mid_rows: int | None = None  # kept tokens, once Mid
 
 
-class _Layer:
-    """One layer's cache: pages, observation window, bases, and the Mid buffers fed to the graph."""
+class _Layer(Lifecycle):
+    """One layer's cache (batch 1): the lifecycle (runtime/lifecycle.py) over host tensors, with
+    Mid pages coded by the exported compressor into the buffers fed to the decode graph."""
 
     def __init__(self, runner: "HostRunner", index: int):
+        super().__init__(runner.config, runner.policy)
         lay = runner.layout
         self.r, self.index = runner, index
         self.shared = bool(lay.shared_value_dim)
         self.scale = lay.scales[index]
-        self.pages: list[_Page] = []
-        self.length = 0
-        self.observation: torch.Tensor | None = None
-        self.segment: MidSegment | None = None  # bases + the byte arithmetic of the session's Mid segment
-        self.mid_page_count = 0  # pages that entered Mid (kept or not)
-        self.mid_tokens = 0  # their tokens before eviction
-        self.final_length = 0  # the length reached when the current append ends
+        self.seq = SequenceState()
         self.mid_code_bytes = 0  # packed code bytes of keys + values
         self.mid_stat_pages = 0  # pages that kept rows (one statistics row each, per side)
         self.mid_f32 = [False, False]  # a page needed float32 statistics (keys, values)
@@ -93,58 +86,15 @@ class _Layer:
         self.mid_len = 0
         self.mid_pages = 0
 
-    # -- accounting (the bytes the session counts, so budgets evict the same tokens) ----------------
     @property
-    def exact_page_nbytes(self) -> int:
-        lay = self.r.layout
-        return lay.kv_heads * lay.page_size * (lay.head_dim + lay.stored_value_dim) * 4
+    def pages(self) -> list[_Page]:
+        return self.seq.pages
 
-    def page_nbytes(self, page: _Page) -> int:
-        if page.keys is not None:
-            return self.exact_page_nbytes
-        return page.recent.nbytes if page.recent else 0  # Mid bytes live in the segment
-
-    def mid_nbytes(self) -> int:
-        """What the session's `MidSegment.nbytes` holds: codes, per-page statistics (float16, or
-        float32 for the whole side once one page needed it), per-page row counts, head bases."""
-        seg = self.segment
-        if seg is None:
-            return 0
-        coded = [b for b in (seg.key_bases, seg.value_bases) if b is not None]
-        bases = sum(b.nbytes for b in coded)
-        stats = sum(self.mid_stat_pages * 2 * sum(b.ranks) * (4 if self.mid_f32[side] else 2)
-                    for side, b in enumerate(coded))
-        return bases + self.mid_code_bytes + stats + (1 if self.shared else 2) * 4 * self.mid_page_count
-
-    def nbytes(self) -> int:
-        metadata = 4 * self.block_table_len + (self.observation.nbytes if self.observation is not None else 0)
-        return sum(self.page_nbytes(p) for p in self.pages) + self.mid_nbytes() + metadata
-
-    @property
-    def fp16_token_bytes(self) -> int:
-        lay = self.r.layout
-        return lay.kv_heads * (lay.head_dim + lay.stored_value_dim) * 2
-
-    def budget(self, length: int | None = None) -> float | None:
-        c = self.r.config
-        length = self.length if length is None else length
-        limits = []
-        if c.target_ratio is not None:
-            limits.append(length * self.fp16_token_bytes / c.target_ratio)
-        if c.layer_budget_bytes is not None:
-            limits.append(c.layer_budget_bytes)
-        return min(limits) if limits else None
-
-    # -- writing ---------------------------------------------------------------------------------------
-    def observe(self, queries: torch.Tensor) -> None:
-        if not self.r.mid_encoding.evict:  # as the session: only eviction scores read them
-            return
-        lay = self.r.layout
-        window = observed_positions(self.r.config.observation_window, lay.heads, lay.kv_heads)
-        recent = queries[:, -window:].to(torch.float16)
-        if self.observation is not None:
-            recent = torch.cat([self.observation, recent], dim=1)[:, -window:]
-        self.observation = recent.clone()
+    def append(self, keys: torch.Tensor, values: torch.Tensor | None) -> None:
+        n = keys.shape[1]
+        if n:
+            self.start_append(self.seq, n, keys.shape[-1], (keys, values))
+            self.write(self.seq, n, (keys, values))
 
     def page_kv(self, page: _Page) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A page's keys and values (values None when they live in the keys)."""
@@ -153,45 +103,74 @@ class _Layer:
             return page.keys[:, : page.tokens].clone(), values
         return page.recent.decode()
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor | None) -> None:
-        n = keys.shape[1]
-        if n == 0:
-            return
-        lay, plan = self.r.layout, self.r.plan
-        P = lay.page_size
-        self.final_length = self.length + n
-        if self.segment is None and self._reaches_mid(self.length + n):
-            self.segment = self._make_segment(keys, values)
-        written = 0
-        while written < n:
-            if not self.pages or self.pages[-1].tokens == P:
-                self.pages.append(_Page(Phase.TERMINAL, keys=keys.new_zeros(lay.kv_heads, P, lay.head_dim),
-                                        values=None if self.shared else values.new_zeros(lay.kv_heads, P,
-                                                                                         lay.value_head_dim)))
-                self._settle(max(0, len(self.pages) - 2 - plan.recent_pages))
-            page = self.pages[-1]
-            take = min(P - page.tokens, n - written)
-            page.keys[:, page.tokens: page.tokens + take] = keys[:, written: written + take]
-            if not self.shared:
-                page.values[:, page.tokens: page.tokens + take] = values[:, written: written + take]
-            page.tokens += take
-            self.length += take
-            written += take
+    # -- accounting (the bytes the session counts, so budgets evict the same tokens) ----------------
+    @property
+    def exact_page_nbytes(self) -> int:
+        lay = self.r.layout
+        return lay.kv_heads * lay.page_size * (lay.head_dim + lay.stored_value_dim) * 4
 
-    def _reaches_mid(self, length: int) -> bool:
-        return self.r.plan.mid_pages(-(-length // self.r.layout.page_size)) > 0
+    def page_nbytes(self, page: _Page) -> int:
+        if page.keys is not None or page.phase is Phase.TERMINAL:
+            return self.exact_page_nbytes
+        return page.recent.nbytes if page.recent else 0  # Mid bytes live in the segment
 
-    def _make_segment(self, new_keys, new_values) -> MidSegment:
-        enc, c = self.r.mid_encoding, self.r.config
+    def mid_nbytes(self, seq: SequenceState) -> int:
+        """What the session's `MidSegment.nbytes` holds: codes, per-page statistics (float16, or
+        float32 for the whole side once one page needed it), per-page row counts, head bases."""
+        seg = seq.mid
+        if seg is None:
+            return 0
+        coded = [b for b in (seg.key_bases, seg.value_bases) if b is not None]
+        bases = sum(b.nbytes for b in coded)
+        stats = sum(self.mid_stat_pages * 2 * sum(b.ranks) * (4 if self.mid_f32[side] else 2)
+                    for side, b in enumerate(coded))
+        mid_pages = sum(p.kept is not None for p in seq.pages)
+        return bases + self.mid_code_bytes + stats + (1 if self.shared else 2) * 4 * mid_pages
+
+    def sequence_nbytes(self, seq: SequenceState) -> int:
+        metadata = 4 * self.block_table_len + (seq.observation.nbytes if seq.observation is not None else 0)
+        return sum(self.page_nbytes(p) for p in seq.pages) + self.mid_nbytes(seq) + metadata
+
+    def fp16_token_bytes(self) -> int:
+        lay = self.r.layout
+        return lay.kv_heads * (lay.head_dim + lay.stored_value_dim) * 2
+
+    def mid_page_nbytes(self, seq: SequenceState, tokens: int) -> int:
+        lay = self.r.layout
+        return seq.mid.page_nbytes(tokens, lay.kv_heads, lay.head_dim, lay.value_head_dim)
+
+    # -- the lifecycle's hooks ---------------------------------------------------------------------
+    def _new_page(self) -> _Page:
+        return _Page(Phase.TERMINAL)
+
+    def _page_opened(self, seq: SequenceState, page: _Page) -> None:
+        lay = self.r.layout
+        page.keys = torch.zeros(lay.kv_heads, lay.page_size, lay.head_dim)
+        page.values = None if self.shared else torch.zeros(lay.kv_heads, lay.page_size, lay.value_head_dim)
+        self._settled(seq)
+
+    def _write_tokens(self, seq: SequenceState, page: _Page, chunk, start: int, count: int) -> None:
+        keys, values = chunk
+        page.keys[:, page.tokens: page.tokens + count] = keys[:, start: start + count]
+        if not self.shared:
+            page.values[:, page.tokens: page.tokens + count] = values[:, start: start + count]
+
+    def _settled(self, seq: SequenceState) -> None:
+        self.block_table_len = sum(p.keys is not None for p in seq.pages)
+
+    def _new_mid_epoch(self, seq: SequenceState, chunk) -> None:
+        new_keys, new_values = chunk
+        c = self.config
         key_bases = value_bases = None
-        if enc.project:
-            held = [self.page_kv(p) for p in self.pages] + [(new_keys, new_values)]
+        if self.mid_encoding.project:
+            held = [self.page_kv(p) for p in seq.pages] + [(new_keys, new_values)]
             key_bases = fit_bases(torch.cat([k for k, _ in held], dim=1), c.key_energy)
             self._set_bases("key", key_bases)
             if not self.shared:
                 value_bases = fit_bases(torch.cat([v for _, v in held], dim=1), c.value_energy)
                 self._set_bases("value", value_bases)
-        return MidSegment(enc, key_bases, value_bases, torch.float32, self.r.layout.shared_value_dim)
+        seq.mid = MidSegment(self.mid_encoding, key_bases, value_bases, torch.float32,
+                             self.r.layout.shared_value_dim)
 
     def _set_bases(self, side: str, bases: HeadBases) -> None:
         R = self.r.layout.rank_capacity
@@ -201,66 +180,28 @@ class _Layer:
         self.bases[f"{side}_vectors"][..., : bases.vectors.shape[-1]] = bases.vectors.numpy()
         self.bases[f"{side}_mean"][:] = bases.mean.numpy()
 
-    def _settle(self, start: int) -> None:
-        count = len(self.pages)
-        for index in range(start, count):
-            target = self.r.plan.phase(index, count)
-            if self.pages[index].phase != target:
-                self._transition(index, target)
-        self.block_table_len = sum(p.keys is not None for p in self.pages)
+    def _encode_recent(self, seq: SequenceState, page: _Page) -> None:
+        page.recent = encode_recent(*self.page_kv(page), self.recent_bits)
 
-    def _transition(self, index: int, target: Phase) -> None:
-        page = self.pages[index]
-        if target not in TRANSITIONS.get(page.phase, ()):
-            raise RuntimeError(f"illegal page transition {page.phase.value} -> {target.value} (page {index})")
-        recent_bits = self.r.recent_bits
-        if target is Phase.INITIAL or (target is Phase.RECENT and recent_bits is None) or \
-                (target is Phase.MID and self.r.mid_encoding.identity):
-            page.phase = target
-            return
-        keys, values = self.page_kv(page)
-        if target is Phase.RECENT:
-            page.recent = encode_recent(keys, values, recent_bits)
-        else:
-            self._to_mid(page, keys, values)
-            page.recent = None
-        page.phase = target
+    def _release_exact(self, seq: SequenceState, page: _Page) -> None:
         page.keys = page.values = None
 
-    def _keep(self, page: _Page, tokens: int) -> int:
-        if not self.r.mid_encoding.evict:
-            return tokens
-        length = max(self.length, self.final_length)
-        budget = self.budget(length)
-        if budget is None:
-            return tokens
-        lay, P = self.r.layout, self.r.layout.page_size
-        coming = self.r.plan.mid_pages(-(-length // P)) * P - self.mid_tokens
-        held = self.nbytes() - self.page_nbytes(page)
-        room = page_room(budget, held, held - self.mid_nbytes(), page.tokens, coming, self.r.config,
-                         self.fp16_token_bytes)
-        keep = tokens
-        while keep > 0 and self.segment.page_nbytes(keep, lay.kv_heads, lay.head_dim, lay.value_head_dim) > room:
-            keep -= 1
-        if keep == 0 and room < 0 and self.r.config.over_budget == "raise":
-            raise BudgetExceeded(f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {length} tokens")
-        return keep
-
-    def _to_mid(self, page: _Page, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _enter_mid(self, seq: SequenceState, index: int) -> int:
+        """The exported compressor scores, selects and codes the page's `keep_count` survivors."""
         lay = self.r.layout
-        tokens = keys.shape[1]
-        keep = self._keep(page, tokens)
-        self.mid_tokens += tokens
-        page.mid_rows = keep
-        self.mid_page_count += 1
+        page = seq.pages[index]
+        keys, values = self.page_kv(page)
+        tokens = page.tokens
+        keep = self.keep_count(seq, page)
+        page.recent = None
         if keep == 0:
-            return
+            return 0
         W = lay.observation_window
         obs = np.zeros((lay.heads, W, lay.head_dim), np.float32)
         nq = 0
-        if self.observation is not None:
-            nq = self.observation.shape[1]
-            obs[:, :nq] = self.observation.float().numpy()
+        if seq.observation is not None:
+            nq = seq.observation.shape[1]
+            obs[:, :nq] = seq.observation.float().numpy()
         P = lay.page_size
         k = np.zeros((lay.kv_heads, P, lay.head_dim), np.float32)
         k[:, :tokens] = keys.float().numpy()
@@ -281,11 +222,12 @@ class _Layer:
         m["mid_row_page"][rows] = slot
         self.mid_len, self.mid_pages = rows.stop, slot + 1
         per_byte = 8 // lay.mid_code_bits
-        coded = [b for b in (self.segment.key_bases, self.segment.value_bases) if b is not None]
+        coded = [b for b in (seq.mid.key_bases, seq.mid.value_bases) if b is not None]
         self.mid_code_bytes += sum(keep * -(-sum(b.ranks) // per_byte) for b in coded)
         self.mid_stat_pages += 1
         for side, f16 in enumerate(out["stats_f16"]):
             self.mid_f32[side] = self.mid_f32[side] or not bool(f16)
+        return keep
 
     # -- reading ---------------------------------------------------------------------------------------
     def feeds(self) -> tuple[dict[str, np.ndarray], tuple[int, int, int]]:
@@ -332,17 +274,15 @@ class HostRunner:
         self.layout = CacheLayout.from_json((d / "layout.json").read_text())
         exported = self.layout.config_object()
         self.config: Config = exported if config is None else _compatible(config, exported)
-        self.plan = PhasePlan(self.config.page_size, self.config.sink_tokens, self.config.recent_tokens,
-                              self.config.protected_spans)
-        policy = make_policy(self.config)
-        self.recent_bits, self.mid_encoding = policy.recent_bits(), policy.mid_encoding()
-        if self.mid_encoding.refit and self.layout.max_context >= 2 * self.config.refit_after:
+        self.policy = make_policy(self.config)
+        encoding = self.policy.mid_encoding()
+        if encoding.refit and self.layout.max_context >= 2 * self.config.refit_after:
             raise ValueError(
                 f"the exported graphs hold one set of Mid bases per layer, but Config.refit_after="
                 f"{self.config.refit_after} refits them from {2 * self.config.refit_after} tokens on, within this "
                 f"export's max_context {self.layout.max_context}: run with refit_after=None (or export a shorter "
                 "max_context)")
-        if self.mid_encoding.evict and self.config.eviction_scope != "page":
+        if encoding.evict and self.config.eviction_scope != "page":
             raise ValueError(
                 f"the exported compressor ranks one page at a time, but Config.eviction_scope="
                 f"{self.config.eviction_scope!r} ranks the pages of an append together: run with "
@@ -358,7 +298,7 @@ class HostRunner:
 
     def nbytes(self) -> int:
         """Bytes of KV state the session would report (pages + metadata), summed over layers."""
-        return sum(layer.nbytes() for layer in self.layers)
+        return sum(layer.sequence_nbytes(layer.seq) for layer in self.layers)
 
     def forward(self, input_ids: np.ndarray) -> np.ndarray:
         """Run one chunk [T] (or [1, T]) of token ids; returns logits [T, V] and stores the chunk."""
@@ -373,7 +313,7 @@ class HostRunner:
         feeds["lengths"] = lengths
         out = self.executor.run("decode_step", feeds)
         for i, layer in enumerate(self.layers):
-            layer.observe(torch.from_numpy(out[f"queries_{i}"]))
+            layer.observe(layer.seq, torch.from_numpy(out[f"queries_{i}"]), self.layout.kv_heads)
             new_v = out.get(f"new_v_{i}")  # absent when the values live in the keys (MLA)
             layer.append(torch.from_numpy(out[f"new_k_{i}"]), None if new_v is None else torch.from_numpy(new_v))
         self.position += T

@@ -2,8 +2,8 @@
 
 Each sequence is a list of pages of `page_size` tokens. A page is exact in the layer's PagePool
 while it is Initial or Terminal (and Recent/Mid when the policy leaves them exact); when the
-lifecycle (runtime/phases.py) moves it to Recent or Mid it is re-encoded once (runtime/codecs.py)
-and its pool slot is released for reuse. A sequence only reads its own pages, through its own
+lifecycle (runtime/lifecycle.py decides, runtime/phases.py plans) moves it to Recent or Mid it
+is re-encoded once (runtime/codecs.py) and its pool slot is released for reuse. A sequence only reads its own pages, through its own
 block table (int32 pool slots of its exact pages), so sequences never see each other's tokens.
 """
 
@@ -16,28 +16,10 @@ import torch
 from kvtopo.config import Config
 
 from .codecs import MidSegment, RecentPage, encode_recent, fit_bases
+from .lifecycle import BudgetExceeded, Lifecycle, PageState, SequenceState, page_room
 from .page_pool import PagePool
-from .phases import TRANSITIONS, Phase, PhasePlan
+from .phases import Phase
 from .policies import Policy, ScoreInputs
-
-
-# A refit waits for an append that gives it at least this many tokens per head dimension to fit
-# on (a prefill chunk; decode steps alone would fit 128-dim bases on ~130 tokens).
-REFIT_ROWS_PER_DIM = 4
-
-# Query heads per kv-head whose observation window is held in full (see observed_positions).
-OBSERVED_GROUP = 8
-
-
-def observed_positions(window: int, q_heads: int, kv_heads: int) -> int:
-    """Query positions the observation window holds: `window`, or proportionally fewer (at
-    least one) when more than `OBSERVED_GROUP` query heads share a kv-head, so that it costs
-    what a GQA-8 layer's does. MLA's 128 heads share one latent: 32 positions of 128 absorbed
-    576-dim queries (4.7 MB per layer) outweighed the whole 8x budget of a 4K-token latent
-    cache."""
-    group = max(1, q_heads // max(1, kv_heads))
-    return window if group <= OBSERVED_GROUP else max(1, window * OBSERVED_GROUP // group)
-
 
 
 def best_tokens(scores: torch.Tensor, keep: int) -> torch.Tensor:
@@ -47,60 +29,17 @@ def best_tokens(scores: torch.Tensor, keep: int) -> torch.Tensor:
     return scores.argsort(dim=-1, descending=True, stable=True)[:, :keep].sort(dim=-1).values
 
 
-class BudgetExceeded(RuntimeError):
-    """The byte budget cannot be met even by evicting a whole Mid page (over_budget="raise")."""
-
-
-def page_room(budget: float, held: float, fixed: float, tokens: int, mid_tokens_coming: int, config: Config,
-              fp16_token_bytes: int) -> float:
-    """Bytes a page of `tokens` tokens entering Mid may take, given the sequence-layer's
-    `budget` at the length the current append ends at, the bytes `held` without the page (of
-    which `fixed` are not Mid: exact and Recent pages, tables, observation queries), and the
-    tokens (this page's included) that will have entered Mid by then.
-
-    The room left is shared out by tokens, so that the pages a long chunk pushes into Mid one
-    by one get equal room: judged at the length reached so far, the first pages of a chunk
-    would lose every token and the last ones keep everything.
-
-    When the budget is a ratio (`target_ratio`, no `layer_budget_bytes`) and
-    over_budget="evict", a page keeps at least `min(1, fixed / budget)` of its own tokens'
-    budget. At short lengths the fixed pages alone can exceed the budget; squeezing Mid pages
-    then cannot meet it and only destroys the context (the user asked for fewer bytes, not for
-    wrong answers): each Mid page gets its own tokens' share, the session holds more than asked
-    and says so (`stats().budget_missed`, the achieved ratio). As the sequence grows the fixed
-    pages weigh less, the floor falls with them and the budget is met once they take under
-    half of it (bench/needle_configs.py shows what this keeps on a real model). A byte budget
-    stays a hard cap.
-    """
-    room = (budget - held) * tokens / max(mid_tokens_coming, tokens)
-    if config.over_budget == "evict" and config.target_ratio is not None and config.layer_budget_bytes is None:
-        floor = min(1.0, fixed / budget) if budget > 0 else 1.0
-        room = max(room, floor * tokens * fp16_token_bytes / config.target_ratio)
-    return room
-
-
 @dataclass
-class Page:
-    phase: Phase
-    tokens: int = 0
+class Page(PageState):
     slot: int | None = None  # exact pool slot, while the page is stored exactly
     recent: RecentPage | None = None
-    kept: int | None = None  # tokens this page contributed to the Mid segment
-    dropped: bool = False  # left a sliding window: no query can see it again, its slot is free
     mass: torch.Tensor | None = None  # [Hkv, tokens] accumulated attention mass (policies that track it)
 
 
 @dataclass
-class SequenceKV:
-    pages: list[Page] = field(default_factory=list)
-    length: int = 0
+class SequenceKV(SequenceState):
     block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
-    observation: torch.Tensor | None = None  # the latest queries [Hq, W, d]
-    mid: MidSegment | None = None  # the Mid epoch pages enter now
     retired: list[MidSegment] = field(default_factory=list)  # earlier Mid epochs, each with its bases
-    next_refit: int | None = None  # the length at which the next Mid epoch starts
-    mid_tokens: int = 0  # tokens of the pages that entered Mid, before eviction
-    final_length: int = 0  # the length this sequence reaches when the current append ends
     planned: dict[int, torch.Tensor] = field(default_factory=dict)  # page index -> kept tokens [Hkv, keep]
     dropped: int = 0  # tokens of the leading pages released because they left the sliding window
 
@@ -120,20 +59,18 @@ class Segments:
         return self.recent is None and self.mid is None and not self.retired
 
 
-class LayerCache:
+class LayerCache(Lifecycle):
+    """The lifecycle (runtime/lifecycle.py) over torch storage: pool slots, codecs, block tables."""
+
     def __init__(self, config: Config, policy: Policy, shared_value_dim: int | None = None,
                  window: int | None = None):
         """`shared_value_dim`: values are the first that many dims of the keys and are not
         stored (MLA: the cached latent is both key and value). `window`: a sliding-window
         layer, whose queries see only the last `window` tokens: pages that leave the window go
         back to the pool (the session gives such layers an exact policy)."""
-        self.config = config
+        super().__init__(config, policy)
         self.shared_value_dim = shared_value_dim
         self.window = window
-        self.policy = policy
-        self.plan = PhasePlan(config.page_size, config.sink_tokens, config.recent_tokens, config.protected_spans)
-        self.mid_encoding = policy.mid_encoding()
-        self.recent_bits = policy.recent_bits()
         self.pool: PagePool | None = None
         self.sequences: dict[int, SequenceKV] = {}
         self.scale: float | None = None
@@ -159,56 +96,53 @@ class LayerCache:
         return entry.length if entry else 0
 
     def observe(self, seq: int, queries: torch.Tensor, kv_heads: int) -> None:
-        """Remember the latest queries [Hq, T, d] (`observed_positions` of them): eviction scores
-        use them (policies that never evict hold none)."""
-        entry = self.sequences.setdefault(seq, SequenceKV())
-        if not self.mid_encoding.evict:
-            return
-        window = observed_positions(self.config.observation_window, queries.shape[0], kv_heads)
-        # float16 is plenty for ranking tokens, and halves what the window costs to hold.
-        recent = queries[:, -window:].detach().to(torch.float16)
-        if entry.observation is not None:
-            recent = torch.cat([entry.observation, recent], dim=1)[:, -window:]
-        entry.observation = recent.clone()
+        super().observe(self.sequences.setdefault(seq, SequenceKV()), queries, kv_heads)
 
     def append(self, seq: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Append key [Hkv, n, dk] / value [Hkv, n, dv] to `seq`, then move pages through phases."""
         n = key.shape[1]
         if n == 0:
             return
-        pool = self._pool_for(key, value)
+        self._pool_for(key, value)
         entry = self.sequences.setdefault(seq, SequenceKV())
-        P = self.config.page_size
-        entry.final_length = entry.length + n
-        if entry.mid is None and self._reaches_mid(entry.length + n):
-            entry.mid = self._make_mid_segment(entry, key, value)
-            entry.next_refit = self._next_refit(entry.length + n)
-        elif entry.next_refit is not None and entry.length + n >= entry.next_refit \
-                and self._fit_rows(entry, n) >= REFIT_ROWS_PER_DIM * key.shape[-1]:
-            entry.retired.append(entry.mid)
-            entry.mid = self._make_mid_segment(entry, key, value)
-            entry.next_refit = self._next_refit(entry.length + n)
+        self.start_append(entry, n, key.shape[-1], (key, value))
         if self.config.eviction_scope == "append":
             entry.planned = self._plan_joint_eviction(entry, key, value)
-        written = 0
-        while written < n:
-            if not entry.pages or entry.pages[-1].tokens == P:
-                # Settle as each page opens, before it takes a slot, so a long chunk never holds
-                # more exact pages than the lifecycle allows: freed slots are reused at once.
-                entry.pages.append(Page(Phase.TERMINAL))
-                self._settle(entry, max(0, len(entry.pages) - 2 - self.plan.recent_pages))
-                entry.pages[-1].slot = pool.allocate()
-                self._refresh_block_table(entry)
-            page = entry.pages[-1]
-            take = min(P - page.tokens, n - written)
-            pool.keys[page.slot, :, page.tokens: page.tokens + take] = key[:, written: written + take]
-            pool.values[page.slot, :, page.tokens: page.tokens + take] = value[:, written: written + take]
-            page.tokens += take
-            entry.length += take
-            written += take
+        self.write(entry, n, (key, value))
         entry.planned = {}
         if self.window is not None:
             self._drop_outside_window(entry)
+
+    # -- the lifecycle's hooks -----------------------------------------------------------------
+    def _new_page(self) -> Page:
+        return Page(Phase.TERMINAL)
+
+    def _page_opened(self, entry: SequenceKV, page: Page) -> None:
+        page.slot = self.pool.allocate()
+        self._refresh_block_table(entry)
+
+    def _write_tokens(self, entry: SequenceKV, page: Page, chunk, start: int, count: int) -> None:
+        key, value = chunk
+        self.pool.keys[page.slot, :, page.tokens: page.tokens + count] = key[:, start: start + count]
+        self.pool.values[page.slot, :, page.tokens: page.tokens + count] = value[:, start: start + count]
+
+    def _settled(self, entry: SequenceKV) -> None:
+        self._refresh_block_table(entry)
+
+    def _encode_recent(self, entry: SequenceKV, page: Page) -> None:
+        page.recent = encode_recent(*self._page_kv(page), self.recent_bits)
+
+    def _enter_mid(self, entry: SequenceKV, index: int) -> int:
+        page = entry.pages[index]
+        keys, values = self._evict(entry, index, *self._page_kv(page))
+        entry.mid.append_page(keys, values)
+        page.recent, page.mass = None, None
+        return keys.shape[1]
+
+    def _release_exact(self, entry: SequenceKV, page: Page) -> None:
+        if page.slot is not None:
+            self.pool.release(page.slot)
+            page.slot = None
 
     def _drop_outside_window(self, entry: SequenceKV) -> None:
         """Release the leading pages no later query can see: the next query is at index
@@ -242,38 +176,6 @@ class LayerCache:
     def _refresh_block_table(self, entry: SequenceKV) -> None:
         entry.block_table = torch.tensor([p.slot for p in entry.pages if p.slot is not None], dtype=torch.int32)
 
-    def _settle(self, entry: SequenceKV, start: int) -> None:
-        """Give pages `start..` the phase the lifecycle says, re-encoding those that move."""
-        count = len(entry.pages)
-        for index in range(start, count):
-            target = self.plan.phase(index, count)
-            if entry.pages[index].phase != target and not entry.pages[index].dropped:
-                self._transition(entry, index, target)
-        self._refresh_block_table(entry)
-
-    def _transition(self, entry: SequenceKV, index: int, target: Phase) -> None:
-        page = entry.pages[index]
-        if target not in TRANSITIONS.get(page.phase, ()):
-            raise RuntimeError(f"illegal page transition {page.phase.value} -> {target.value} (page {index})")
-        if target is Phase.INITIAL or (target is Phase.RECENT and self.recent_bits is None):
-            page.phase = target
-            return
-        keys, values = self._page_kv(page)
-        if target is Phase.RECENT:
-            page.recent = encode_recent(keys, values, self.recent_bits)
-        else:
-            if self.mid_encoding.identity:
-                page.phase = target
-                return
-            keys, values = self._evict(entry, index, keys, values)
-            entry.mid_tokens += page.tokens
-            entry.mid.append_page(keys, values)
-            page.kept, page.recent, page.mass = keys.shape[1], None, None
-        page.phase = target
-        if page.slot is not None:
-            self.pool.release(page.slot)
-            page.slot = None
-
     def page_keys(self, page: Page) -> torch.Tensor:
         return self._page_kv(page)[0]
 
@@ -285,28 +187,14 @@ class LayerCache:
             return keys, values
         return page.recent.decode()
 
-    def _reaches_mid(self, length: int) -> bool:
-        return self.plan.mid_pages(-(-length // self.config.page_size)) > 0
-
-    def _fit_rows(self, entry: SequenceKV, incoming: int) -> int:
-        """Tokens a fit would see: the exact and Recent pages held (every token not yet in Mid)
-        plus the incoming chunk."""
-        return incoming + entry.length - entry.mid_tokens
-
-    def _next_refit(self, fitted_at: int) -> int | None:
-        """Bases fitted at length `fitted_at` are refitted once the sequence doubles past it (or
-        past `refit_after`). RoPE turns keys as positions grow: on bench/memory.py's layer a
-        basis fitted on the first 2K tokens held 0.82 of late keys' energy at 4K and 0.73-0.78
-        at 32K-128K (0.9 nominal); refitting at each doubling from 4K cut topo's attention
-        error at 32K from 0.76 to 0.60 (refitting from 8K on: 0.70)."""
-        if not self.mid_encoding.refit:
-            return None
-        return 2 * max(fitted_at, self.config.refit_after)
-
-    def _make_mid_segment(self, entry: SequenceKV, new_keys: torch.Tensor, new_values: torch.Tensor) -> MidSegment:
+    def _new_mid_epoch(self, entry: SequenceKV, chunk) -> None:
         """A Mid epoch. Its bases are fitted on the exact and Recent pages held plus the chunk
         being appended (for the first epoch, when its first page is about to reach Mid: the
-        whole first prefill chunk, not just the first few pages)."""
+        whole first prefill chunk, not just the first few pages). The epoch before it, if
+        any, is retired: its rows stay readable under its own bases."""
+        new_keys, new_values = chunk
+        if entry.mid is not None:
+            entry.retired.append(entry.mid)
         key_bases = value_bases = None
         if self.mid_encoding.project:
             held = [self._page_kv(p) for p in entry.pages if p.slot is not None or p.recent is not None]
@@ -314,28 +202,15 @@ class LayerCache:
             key_bases = fit_bases(torch.cat([k for k, _ in held], dim=1), self.config.key_energy)
             if not self.shared_value_dim:
                 value_bases = fit_bases(torch.cat([v for _, v in held], dim=1), self.config.value_energy)
-        return MidSegment(self.mid_encoding, key_bases, value_bases, self.pool.keys.dtype, self.shared_value_dim)
+        entry.mid = MidSegment(self.mid_encoding, key_bases, value_bases, self.pool.keys.dtype, self.shared_value_dim)
 
     # -- budget and eviction -------------------------------------------------------------------
-    def _fp16_token_bytes(self) -> int:
-        """What one token of this layer costs in an fp16 cache (what target_ratio divides)."""
+    def fp16_token_bytes(self) -> int:
         return self.pool.keys.shape[1] * (self.pool.keys.shape[-1] + self.pool.values.shape[-1]) * 2
 
-    def _budget(self, length: int) -> float | None:
-        limits = []
-        if self.config.target_ratio is not None:
-            limits.append(length * self._fp16_token_bytes() / self.config.target_ratio)
-        if self.config.layer_budget_bytes is not None:
-            limits.append(self.config.layer_budget_bytes)
-        return min(limits) if limits else None
-
-    def _page_room(self, entry: SequenceKV, page: Page, budget: float, length: int) -> float:
-        """See `page_room`."""
-        pages_at_end = -(-length // self.config.page_size)
-        held = self.sequence_nbytes(entry) - self._page_nbytes(page)
-        return page_room(budget, held, held - self._mid_nbytes(entry), page.tokens,
-                         self.plan.mid_pages(pages_at_end) * self.config.page_size - entry.mid_tokens,
-                         self.config, self._fp16_token_bytes())
+    def mid_page_nbytes(self, entry: SequenceKV, tokens: int) -> int:
+        values = 0 if self.shared_value_dim else self.pool.values.shape[-1]
+        return entry.mid.page_nbytes(tokens, self.pool.keys.shape[1], self.pool.keys.shape[-1], values)
 
     def _plan_joint_eviction(self, entry: SequenceKV, key: torch.Tensor, value: torch.Tensor) -> dict:
         """Survivors of the pages this append moves into Mid, chosen together (eviction_scope
@@ -346,7 +221,7 @@ class LayerCache:
         set by the heads' best score at each rank. {page index: kept token indices}; empty
         when nothing is ranked (no budget, or every Mid token dropped) or only one page moves
         (it is ranked alone, as under "page")."""
-        budget = self._budget(entry.final_length)
+        budget = self.budget(entry.final_length)
         if not self.mid_encoding.evict or budget is None or self.mid_encoding.max_tokens == 0:
             return {}
         P = self.config.page_size
@@ -375,8 +250,8 @@ class LayerCache:
         per_row = entry.mid.page_nbytes(2, *shape) - entry.mid.page_nbytes(1, *shape)
         cost = len(group) * empty + torch.cumsum(torch.where(picked % P == 0, first, per_row), 0)
         held = self._bytes_beside_group(entry, group, count)
-        room = page_room(budget, held, held - self._mid_nbytes(entry), len(group) * P, len(group) * P,
-                         self.config, self._fp16_token_bytes())
+        room = page_room(budget, held, held - self.mid_nbytes(entry), len(group) * P, len(group) * P,
+                         self.config, self.fp16_token_bytes())
         if room < 0 and self.config.over_budget == "raise":
             raise BudgetExceeded(
                 f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {entry.final_length} tokens: "
@@ -415,7 +290,7 @@ class LayerCache:
         phases = [self.plan.phase(i, count) for i in range(count) if i not in moving]
         recent = sum(phase is Phase.RECENT for phase in phases)
         exact = sum(phase in (Phase.INITIAL, Phase.TERMINAL) for phase in phases)
-        held = self._mid_nbytes(entry) + self._metadata_nbytes(entry)
+        held = self.mid_nbytes(entry) + self._metadata_nbytes(entry)
         return held + exact * self.pool.page_nbytes + (recent * self._recent_page_nbytes() if recent else 0)
 
     def _recent_page_nbytes(self) -> int:
@@ -425,43 +300,22 @@ class LayerCache:
         empty_values = None if self.shared_value_dim else values.new_zeros(values.shape[1], P, values.shape[-1])
         return encode_recent(keys.new_zeros(keys.shape[1], P, keys.shape[-1]), empty_values, self.recent_bits).nbytes
 
-    def _evict(self, entry: SequenceKV, index: int, keys: torch.Tensor, values: torch.Tensor):
-        if not self.mid_encoding.evict:
-            return keys, values
-        page = entry.pages[index]
+    def _evict(self, entry: SequenceKV, index: int, keys: torch.Tensor, values: torch.Tensor | None):
+        """The page's survivors: the joint plan's, or the `keep_count` best by the policy's score."""
         planned = entry.planned.get(index)
-        if planned is not None:
-            keys = keys.gather(1, planned[..., None].expand(-1, -1, keys.shape[-1]))
-            if values is not None:
-                values = values.gather(1, planned[..., None].expand(-1, -1, values.shape[-1]))
-            return keys, values
-        tokens = keys.shape[1]
-        cap = self.mid_encoding.max_tokens
-        keep = tokens if cap is None else min(cap, tokens)
-        length = max(entry.length, entry.final_length)
-        budget = self._budget(length)
-        room = None
-        if budget is not None:
-            room = self._page_room(entry, page, budget, length)
-            shape = (keys.shape[0], keys.shape[-1], 0 if values is None else values.shape[-1])
-            while keep > 0 and entry.mid.page_nbytes(keep, *shape) > room:
-                keep -= 1
-        if keep == 0 and room is not None and room < 0 and self.config.over_budget == "raise":
-            raise BudgetExceeded(
-                f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {length} tokens: the "
-                f"exact/Recent pages and metadata already hold {self.sequence_nbytes(entry) - self._page_nbytes(page)} bytes; "
-                "lower sink_tokens/recent_tokens, or allow over_budget='evict'"
-            )
-        if keep == tokens:
-            return keys, values
-        if keep == 0:
-            return keys[:, :0], None if values is None else values[:, :0]
-        shown_values = values if values is not None else keys[..., : self.shared_value_dim]
-        scores = self.policy.score(ScoreInputs(keys, shown_values, entry.observation, self.scale, page.mass))
-        kept = best_tokens(scores, keep)
-        keys = keys.gather(1, kept[..., None].expand(-1, -1, keys.shape[-1]))
+        if planned is None:
+            keep = self.keep_count(entry, entry.pages[index])
+            if keep == keys.shape[1]:
+                return keys, values
+            if keep == 0:
+                return keys[:, :0], None if values is None else values[:, :0]
+            shown_values = values if values is not None else keys[..., : self.shared_value_dim]
+            scores = self.policy.score(ScoreInputs(keys, shown_values, entry.observation, self.scale,
+                                                   entry.pages[index].mass))
+            planned = best_tokens(scores, keep)
+        keys = keys.gather(1, planned[..., None].expand(-1, -1, keys.shape[-1]))
         if values is not None:
-            values = values.gather(1, kept[..., None].expand(-1, -1, values.shape[-1]))
+            values = values.gather(1, planned[..., None].expand(-1, -1, values.shape[-1]))
         return keys, values
 
     # -- reading -------------------------------------------------------------------------------
@@ -501,7 +355,7 @@ class LayerCache:
                     self.pool.release(page.slot)
 
     # -- accounting ----------------------------------------------------------------------------
-    def _page_nbytes(self, page: Page) -> int:
+    def page_nbytes(self, page: Page) -> int:
         # A Terminal page costs a full exact slot, also while it is opening and has none yet.
         if page.slot is not None or page.phase is Phase.TERMINAL:
             return self.pool.page_nbytes
@@ -520,22 +374,22 @@ class LayerCache:
         """Whether `seq` holds more than its budget now (possible when the exact pages and
         metadata alone exceed it, e.g. at short contexts)."""
         entry = self.sequences.get(seq)
-        budget = self._budget(entry.length) if entry and self.pool is not None else None
+        budget = self.budget(entry.length) if entry and self.pool is not None else None
         return budget is not None and self.sequence_nbytes(entry) > budget
 
-    def _mid_nbytes(self, entry: SequenceKV) -> int:
+    def mid_nbytes(self, entry: SequenceKV) -> int:
         """Every Mid epoch's rows, statistics and bases."""
         return sum(m.nbytes for m in self._epochs(entry))
 
     def sequence_nbytes(self, entry: SequenceKV) -> int:
-        return sum(self._page_nbytes(p) for p in entry.pages) + self._mid_nbytes(entry) + self._metadata_nbytes(entry)
+        return sum(self.page_nbytes(p) for p in entry.pages) + self.mid_nbytes(entry) + self._metadata_nbytes(entry)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held per phase, plus free pool slots and metadata (tables, bases, queries)."""
         kinds = {phase.value: 0 for phase in Phase} | {"free": 0, "metadata": 0}
         for entry in self.sequences.values():
             for page in entry.pages:
-                kinds[page.phase.value] += self._page_nbytes(page)
+                kinds[page.phase.value] += self.page_nbytes(page)
             for mid in self._epochs(entry):  # coded rows are Mid; the head bases are metadata
                 bases = sum(b.nbytes for b in (mid.key_bases, mid.value_bases) if b is not None)
                 kinds["mid"] += mid.nbytes - bases

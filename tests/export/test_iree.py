@@ -36,7 +36,7 @@ def _assert_matches_session(model, out, config):
     # Prefill chunks of 64 and single-token steps ran through the one dynamic-token module, and
     # every phase occurred with Mid pages kept whole, partly and not at all (the compressor ran).
     assert {p.phase.value for layer in runner.layers for p in layer.pages} == {"initial", "mid", "recent", "terminal"}
-    kept = [p.mid_rows for layer in runner.layers for p in layer.pages if p.mid_rows is not None]
+    kept = [p.kept for layer in runner.layers for p in layer.pages if p.kept is not None]
     assert 0 in kept and config.page_size in kept and any(0 < k < config.page_size for k in kept), kept
 
 

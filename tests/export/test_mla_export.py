@@ -46,7 +46,7 @@ def test_mla_host_runner_matches_session(which, tmp_path):
     for runner in assert_host_runner_matches_session(model, tmp_path, config, PROMPT, NEW).values():
         pages = [p for layer in runner.layers for p in layer.pages]
         assert {p.phase.value for p in pages} == {"initial", "mid", "recent", "terminal"}
-        kept = [p.mid_rows for p in pages if p.mid_rows is not None]
+        kept = [p.kept for p in pages if p.kept is not None]
         if which == "lossless":
             assert all(p.keys is not None for p in pages)  # nothing encoded
         else:

@@ -67,7 +67,7 @@ def assert_every_phase_and_partial_eviction(runner):
     """Every phase really occurred; eviction kept some Mid pages whole, some partly, some not at all."""
     phases = {p.phase.value for layer in runner.layers for p in layer.pages}
     assert phases == {"initial", "mid", "recent", "terminal"}, runner.executor.runtime
-    kept = [p.mid_rows for layer in runner.layers for p in layer.pages if p.mid_rows is not None]
+    kept = [p.kept for layer in runner.layers for p in layer.pages if p.kept is not None]
     assert 0 in kept and CONFIG.page_size in kept and any(0 < k < CONFIG.page_size for k in kept), kept
 
 

@@ -48,5 +48,5 @@ def test_smollm2_export_matches_session(smollm2_reference, runtime, tmp_path):
     # runtimes vs PyTorch, same kept tokens): 1.4e-2 measured on IREE.
     assert agreement.max_logit_error < 5e-2, agreement.describe()
     assert agreement.bytes_held == agreement.session_bytes, agreement.describe()
-    kept = [p.mid_rows for layer in agreement.runner.layers for p in layer.pages if p.mid_rows is not None]
+    kept = [p.kept for layer in agreement.runner.layers for p in layer.pages if p.kept is not None]
     assert kept, "no Mid page: the compressor never ran"
