@@ -85,6 +85,9 @@ class _Layer(Lifecycle):
                                "value_mean": np.zeros((h, lay.value_head_dim), np.float32)})
         self.mid_len = 0
         self.mid_pages = 0
+        self.buffers = self._cache_buffers()
+        self.stale = True  # pages moved since the buffers were last filled
+        self.last_page_row = self.recent_rows = 0
 
     @property
     def pages(self) -> list[_Page]:
@@ -151,12 +154,16 @@ class _Layer(Lifecycle):
 
     def _write_tokens(self, seq: SequenceState, page: _Page, chunk, start: int, count: int) -> None:
         keys, values = chunk
-        page.keys[:, page.tokens: page.tokens + count] = keys[:, start: start + count]
-        if not self.shared:
-            page.values[:, page.tokens: page.tokens + count] = values[:, start: start + count]
+        sides = [(page.keys, keys, "exact_k")] + ([] if self.shared else [(page.values, values, "exact_v")])
+        for stored, new, buffer in sides:
+            stored[:, page.tokens: page.tokens + count] = new[:, start: start + count]
+            if not self.stale:  # the newest page's rows follow the exact pages before it
+                row = self.last_page_row + page.tokens
+                self.buffers[buffer][:, row: row + count] = new[:, start: start + count].numpy()
 
     def _settled(self, seq: SequenceState) -> None:
         self.block_table_len = sum(p.keys is not None for p in seq.pages)
+        self.stale = True
 
     def _new_mid_epoch(self, seq: SequenceState, chunk) -> None:
         new_keys, new_values = chunk
@@ -230,36 +237,55 @@ class _Layer(Lifecycle):
         return keep
 
     # -- reading ---------------------------------------------------------------------------------------
-    def feeds(self) -> tuple[dict[str, np.ndarray], tuple[int, int, int]]:
-        """The decode step's cache inputs of this layer and its (exact, recent, mid) lengths."""
+    def _cache_buffers(self) -> dict[str, np.ndarray]:
+        """The decode step's exact and Recent inputs at their fixed capacities. They are filled in
+        place (`feeds`), so an executor that binds them once (onnxruntime) copies nothing per step."""
         lay = self.r.layout
-        h, P, C = lay.kv_heads, lay.page_size, lay.recent_capacity
+        h, C, P = lay.kv_heads, lay.recent_capacity, lay.page_size
         rpb = 8 // lay.recent_code_bits
-        exact = [p for p in self.pages if p.keys is not None and p.tokens]
-        recent = [p.recent for p in self.pages if p.recent is not None]
-        e = sum(p.tokens for p in exact)
-        feeds = {**self.mid, **self.bases}
-        sides = (("k", lay.head_dim, lambda p: p.keys, lambda q: q.keys),
-                 ("v", lay.value_head_dim, lambda p: p.values, lambda q: q.values))
-        for side, dim, exact_of, coded_of in sides[: 1 if self.shared else 2]:
-            rows = np.zeros((h, lay.exact_capacity, dim), np.float32)
-            if exact:
-                rows[:, :e] = torch.cat([exact_of(p)[:, : p.tokens] for p in exact], dim=1).numpy()
-            codes = np.zeros((h, C, -(-dim // rpb)), np.uint8)
+        buffers = {}
+        for side, dim in (("k", lay.head_dim), ("v", lay.value_head_dim))[: 1 if self.shared else 2]:
             # Keys: statistics per Recent page and channel; values: per token.
             stats = (h, C // P, dim) if side == "k" else (h, C)
-            scale, offset = np.zeros(stats, np.float32), np.zeros(stats, np.float32)
+            buffers.update({f"exact_{side}": np.zeros((h, lay.exact_capacity, dim), np.float32),
+                            f"recent_{side}_codes": np.zeros((h, C, -(-dim // rpb)), np.uint8),
+                            f"recent_{side}_scale": np.zeros(stats, np.float32),
+                            f"recent_{side}_offset": np.zeros(stats, np.float32)})
+        return buffers
+
+    def _refill(self) -> None:
+        """Rewrite the exact and Recent buffers from the pages (after pages moved: once a page)."""
+        P = self.r.layout.page_size
+        buffers = self.buffers
+        exact = [p for p in self.seq.pages if p.keys is not None]
+        recent = [p.recent for p in self.seq.pages if p.recent is not None]
+        row = 0
+        for page in exact:
+            buffers["exact_k"][:, row: row + page.tokens] = page.keys[:, : page.tokens].numpy()
+            if not self.shared:
+                buffers["exact_v"][:, row: row + page.tokens] = page.values[:, : page.tokens].numpy()
+            row += page.tokens
+        self.last_page_row = row - (exact[-1].tokens if exact else 0)
+        for side in ("k", "v")[: 1 if self.shared else 2]:
             for j, page in enumerate(recent):
-                q = coded_of(page)
-                codes[:, j * P:(j + 1) * P] = q.codes.numpy()
+                q = page.keys if side == "k" else page.values
+                buffers[f"recent_{side}_codes"][:, j * P:(j + 1) * P] = q.codes.numpy()
+                scale, offset = buffers[f"recent_{side}_scale"], buffers[f"recent_{side}_offset"]
                 if side == "k":
                     scale[:, j], offset[:, j] = q.scale.float()[:, 0].numpy(), q.offset.float()[:, 0].numpy()
                 else:
                     scale[:, j * P:(j + 1) * P] = q.scale.float()[..., 0].numpy()
                     offset[:, j * P:(j + 1) * P] = q.offset.float()[..., 0].numpy()
-            feeds.update({f"exact_{side}": rows, f"recent_{side}_codes": codes, f"recent_{side}_scale": scale,
-                          f"recent_{side}_offset": offset})
-        return feeds, (e, len(recent) * P, self.mid_len)
+        self.recent_rows = len(recent) * P
+        self.stale = False
+
+    def feeds(self) -> tuple[dict[str, np.ndarray], tuple[int, int, int]]:
+        """The decode step's cache inputs of this layer (the same arrays every step, updated in
+        place) and its (exact, recent, mid) lengths."""
+        if self.stale:
+            self._refill()
+        exact = self.last_page_row + (self.seq.pages[-1].tokens if self.seq.pages else 0)
+        return {**self.mid, **self.bases, **self.buffers}, (exact, self.recent_rows, self.mid_len)
 
 
 class HostRunner:
