@@ -14,6 +14,17 @@ session keeps: the latent + RoPE key, one kv-head whose value is the latent (exp
     export_mlir("llama", "out/", config=Config(...))      # <graph>.<torch|linalg-on-tensors|stablehlo>.mlir
     export_iree("llama", "out/", config=Config(...))      # + decode_step.vmfb, compressor.vmfb (IREE, llvm-cpu)
 
+The "npu" profile (`profile="npu"` on each entry point, `kvtopo export --profile npu`) is what NPU
+compilers want: no dynamic dimension anywhere (every ONNX input/output dim a number, no `?` in the
+MLIR entry signatures; both checked at export), float16 cache and activation tensors at the
+graphs' boundaries (uint8 codes and int64 ids/lengths as they are), float32 compute inside.
+Its limits: batch 1; exactly 1 new token per decode-step call, so a prompt of N tokens is N calls
+(prefill costs N graph runs instead of N / prefill_chunk_size; the simpler correct choice: a
+fixed chunk with a valid-token count would need masked padding rows in every layer's attention
+and in the host's appends); a sequence may reach `max_context` tokens (the fixed buffers; the
+host runner raises past it); the page size, Recent/Mid page counts and ranks fixed by the
+exported Config. HostRunner feeds and reads float16 arrays on every runtime.
+
 Imports: runtime, passes, kernels, models and kvtopo.config only (tests/test_import_layers.py).
 """
 
@@ -24,6 +35,8 @@ import os
 from torch import nn
 
 from kvtopo.config import Config
+
+from .layout import NPU_TOKENS, PROFILES, check_profile
 
 DEFAULT_MAX_CONTEXT = 4096
 MLIR_OUTPUT_TYPES = ("torch", "linalg-on-tensors", "stablehlo")
@@ -60,26 +73,32 @@ def _exported_config(config: Config | None) -> Config:
 
 
 def export_onnx(model_or_zoo_name, out_dir, config: Config | None = None,
-                max_context: int = DEFAULT_MAX_CONTEXT) -> dict[str, str]:
+                max_context: int = DEFAULT_MAX_CONTEXT, profile: str | None = None) -> dict[str, str]:
     """Write decode_step.onnx, compressor.onnx and layout.json to `out_dir`; return their paths.
 
-    `max_context` sizes the fixed cache buffers (tokens a sequence may reach). Raises
+    `max_context` sizes the fixed cache buffers (tokens a sequence may reach). `profile="npu"`:
+    fully static graphs with float16 at their boundaries (see the module docstring). Raises
     `RefusedAttention` listing the sites kvtopo refused, if any.
     """
     _check_args("export_onnx", out_dir, config, max_context)
+    check_profile("export_onnx", profile)
     from .onnx_export import export_onnx_files
 
-    return export_onnx_files(_model(model_or_zoo_name), out_dir, _exported_config(config), max_context)
+    return export_onnx_files(_model(model_or_zoo_name), out_dir, _exported_config(config), max_context, profile)
 
 
 def export_mlir(model_or_zoo_name, out_dir, config: Config | None = None, max_context: int = 512,
-                output_types=MLIR_OUTPUT_TYPES, tokens: int | None = 1) -> dict[str, str]:
+                output_types=MLIR_OUTPUT_TYPES, tokens: int | None = 1, profile: str | None = None) -> dict[str, str]:
     """Write decode_step.<type>.mlir and compressor.<type>.mlir for each output type.
 
     The cache has `max_context` static capacity; the decode step takes `tokens` new tokens (1: a
-    decode step; a fully static graph) or, with `tokens=None`, a dynamic token count. Raises
+    decode step; a fully static graph) or, with `tokens=None`, a dynamic token count.
+    `profile="npu"` fixes tokens to 1 and puts float16 at the graphs' boundaries. Raises
     `MlirLoweringError` naming the op that could not be lowered.
     """
+    check_profile("export_mlir", profile)
+    if profile == "npu":
+        tokens = NPU_TOKENS
     _check_args("export_mlir", out_dir, config, max_context, **({} if tokens is None else {"tokens": tokens}))
     if tokens is not None and tokens > max_context:
         raise ValueError(f"export_mlir: tokens={tokens} is invalid: at most max_context={max_context} (a step's "
@@ -90,20 +109,23 @@ def export_mlir(model_or_zoo_name, out_dir, config: Config | None = None, max_co
     from .mlir_export import export_mlir_files
 
     return export_mlir_files(_model(model_or_zoo_name), out_dir, _exported_config(config), max_context,
-                             tuple(output_types), tokens)
+                             tuple(output_types), tokens, profile)
 
 
 def export_iree(model_or_zoo_name, out_dir, config: Config | None = None, max_context: int = 512,
-                output_type: str = "torch", target: str = "llvm-cpu", sources_dir=None) -> dict[str, str]:
-    """export_mlir with a dynamic token count, then IREE compiles both graphs to `<graph>.vmfb`
-    (export/iree.py); `HostRunner(out_dir, runtime="iree")` runs them. `sources_dir`: where to dump
-    the compiled dispatches' sources. Raises `IreeCompileError` quoting IREE's diagnostics."""
+                output_type: str = "torch", target: str = "llvm-cpu", sources_dir=None,
+                profile: str | None = None) -> dict[str, str]:
+    """export_mlir with a dynamic token count (or the "npu" profile's static graphs), then IREE
+    compiles both graphs to `<graph>.vmfb` (export/iree.py); `HostRunner(out_dir, runtime="iree")`
+    runs them. `sources_dir`: where to dump the compiled dispatches' sources. Raises
+    `IreeCompileError` quoting IREE's diagnostics."""
     from .iree import INPUT_TYPES, compile_export
 
     if output_type not in INPUT_TYPES:
         raise ValueError(f"export_iree: output_type={output_type!r} is invalid: one of {tuple(INPUT_TYPES)}")
-    paths = export_mlir(model_or_zoo_name, out_dir, config, max_context, output_types=(output_type,), tokens=None)
+    paths = export_mlir(model_or_zoo_name, out_dir, config, max_context, output_types=(output_type,), tokens=None,
+                        profile=profile)
     return {**paths, **compile_export(out_dir, output_type, target, sources_dir)}
 
 
-__all__ = ["DEFAULT_MAX_CONTEXT", "export_iree", "export_mlir", "export_onnx"]
+__all__ = ["DEFAULT_MAX_CONTEXT", "PROFILES", "export_iree", "export_mlir", "export_onnx"]

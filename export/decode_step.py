@@ -233,6 +233,44 @@ def _topk_by_rank(gm: fx.GraphModule) -> None:
             node.op, node.target = "call_function", topk_by_rank
 
 
+class Float16Boundary(nn.Module):
+    """`module` with float16 tensors at its boundary and float32 compute inside (the "npu" profile).
+
+    Every float32 input of one or more dimensions is taken as float16 and upcast once on entry;
+    every float32 output is rounded to float16. Integer tensors (ids, lengths, uint8 codes, row
+    maps) and 0-d float scalars (the compressor's softmax scale) pass unchanged. Arguments are
+    positional and may nest in tuples, as DecodeStep's cache does."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.inner = module
+
+    @staticmethod
+    def narrowed(tensor):
+        """What the boundary expects for an example float32 input: its float16 copy."""
+        return tensor.to(torch.float16) if _crosses_boundary(tensor, torch.float32) else tensor
+
+    def forward(self, *args):
+        from torch.utils._pytree import tree_map
+
+        widened = tree_map(lambda t: t.float() if _crosses_boundary(t, torch.float16) else t, args)
+        out = self.inner(*widened)
+        return tree_map(lambda t: t.to(torch.float16) if _crosses_boundary(t, torch.float32) else t, out)
+
+
+def _crosses_boundary(value, dtype: torch.dtype) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == dtype and value.dim() >= 1
+
+
+def profiled(module: nn.Module, args: tuple, profile: str | None):
+    """(module, example args) as the profile exports them: "npu" wraps them in Float16Boundary."""
+    if profile != "npu":
+        return module, args
+    from torch.utils._pytree import tree_map
+
+    return Float16Boundary(module).eval(), tree_map(Float16Boundary.narrowed, args)
+
+
 def layout_for(model: nn.Module, captured: Captured, config: Config, max_context: int) -> CacheLayout:
     sites = captured.sites
     special = [s for s in sites if not isinstance(s, MLASite) and (s.window or s.softcap or s.sinks is not None)]

@@ -22,6 +22,12 @@ per token whose value is the latent, as `runtime.layer_cache.LayerCache` with `s
 no values are stored, Recent pages code only keys, Mid pages go through the keys-only compressor
 and only key bases are fitted.
 
+Under the "npu" export profile (export/layout.py) every float buffer here is float16 (what the
+graphs take and return), the decode step takes exactly `layout.tokens` (1) tokens per call, so the
+prompt is fed one token per call, and a sequence stops at `layout.max_context`. Pages keep the
+float16 outputs as float32 values (exact) for the lifecycle and the host-side codecs; `nbytes`
+counts what the float32 session would hold, so budgets evict at the same points.
+
 Batch 1. Differences from the PyTorch session are float rounding only: the graphs compute the
 same functions from the same inputs, but each runtime's kernels round differently (~1e-7), so a
 quantization code sitting on a rounding boundary, or two tokens whose scores tie to ~1e-7, can
@@ -71,18 +77,17 @@ class _Layer(Lifecycle):
         self.block_table_len = 0
         h, R, M, Mp = lay.kv_heads, lay.rank_capacity, lay.mid_capacity, lay.mid_page_capacity
         width = R // (8 // lay.mid_code_bits)
+        f = self.r.float_dtype  # float32, or float16 under the "npu" profile
         self.mid = {
-            "mid_k_codes": np.zeros((h, M, width), np.uint8), "mid_k_scale": np.zeros((h, Mp, R), np.float32),
-            "mid_k_offset": np.zeros((h, Mp, R), np.float32), "mid_row_page": np.zeros((M,), np.int64),
+            "mid_k_codes": np.zeros((h, M, width), np.uint8), "mid_k_scale": np.zeros((h, Mp, R), f),
+            "mid_k_offset": np.zeros((h, Mp, R), f), "mid_row_page": np.zeros((M,), np.int64),
         }
-        self.bases = {"key_vectors": np.zeros((h, lay.head_dim, R), np.float32),
-                      "key_mean": np.zeros((h, lay.head_dim), np.float32)}
+        self.bases = {"key_vectors": np.zeros((h, lay.head_dim, R), f), "key_mean": np.zeros((h, lay.head_dim), f)}
         if not self.shared:
-            self.mid.update({"mid_v_codes": np.zeros((h, M, width), np.uint8),
-                             "mid_v_scale": np.zeros((h, Mp, R), np.float32),
-                             "mid_v_offset": np.zeros((h, Mp, R), np.float32)})
-            self.bases.update({"value_vectors": np.zeros((h, lay.value_head_dim, R), np.float32),
-                               "value_mean": np.zeros((h, lay.value_head_dim), np.float32)})
+            self.mid.update({"mid_v_codes": np.zeros((h, M, width), np.uint8), "mid_v_scale": np.zeros((h, Mp, R), f),
+                             "mid_v_offset": np.zeros((h, Mp, R), f)})
+            self.bases.update({"value_vectors": np.zeros((h, lay.value_head_dim, R), f),
+                               "value_mean": np.zeros((h, lay.value_head_dim), f)})
         self.mid_len = 0
         self.mid_pages = 0
         self.buffers = self._cache_buffers()
@@ -203,19 +208,19 @@ class _Layer(Lifecycle):
         page.recent = None
         if keep == 0:
             return 0
-        W = lay.observation_window
-        obs = np.zeros((lay.heads, W, lay.head_dim), np.float32)
+        W, f = lay.observation_window, self.r.float_dtype
+        obs = np.zeros((lay.heads, W, lay.head_dim), f)
         nq = 0
         if seq.observation is not None:
             nq = seq.observation.shape[1]
             obs[:, :nq] = seq.observation.float().numpy()
         P = lay.page_size
-        k = np.zeros((lay.kv_heads, P, lay.head_dim), np.float32)
+        k = np.zeros((lay.kv_heads, P, lay.head_dim), f)
         k[:, :tokens] = keys.float().numpy()
         feeds = {"keys": k, "queries": obs, "num_queries": np.array(nq, np.int64),
                  "keep": np.array(keep, np.int64), "scale": np.array(self.scale, np.float32), **self.bases}
         if not self.shared:
-            feeds["values"] = np.zeros((lay.kv_heads, P, lay.value_head_dim), np.float32)
+            feeds["values"] = np.zeros((lay.kv_heads, P, lay.value_head_dim), f)
             feeds["values"][:, :tokens] = values.float().numpy()
         out = self.r.executor.run("compressor", feeds)
         rows, slot = slice(self.mid_len, self.mid_len + keep), self.mid_pages
@@ -242,15 +247,14 @@ class _Layer(Lifecycle):
         place (`feeds`), so an executor that binds them once (onnxruntime) copies nothing per step."""
         lay = self.r.layout
         h, C, P = lay.kv_heads, lay.recent_capacity, lay.page_size
-        rpb = 8 // lay.recent_code_bits
+        rpb, f = 8 // lay.recent_code_bits, self.r.float_dtype
         buffers = {}
         for side, dim in (("k", lay.head_dim), ("v", lay.value_head_dim))[: 1 if self.shared else 2]:
             # Keys: statistics per Recent page and channel; values: per token.
             stats = (h, C // P, dim) if side == "k" else (h, C)
-            buffers.update({f"exact_{side}": np.zeros((h, lay.exact_capacity, dim), np.float32),
+            buffers.update({f"exact_{side}": np.zeros((h, lay.exact_capacity, dim), f),
                             f"recent_{side}_codes": np.zeros((h, C, -(-dim // rpb)), np.uint8),
-                            f"recent_{side}_scale": np.zeros(stats, np.float32),
-                            f"recent_{side}_offset": np.zeros(stats, np.float32)})
+                            f"recent_{side}_scale": np.zeros(stats, f), f"recent_{side}_offset": np.zeros(stats, f)})
         return buffers
 
     def _refill(self) -> None:
@@ -298,8 +302,13 @@ class HostRunner:
         `runtime`: "onnxruntime" (`providers`), "openvino" (`device`) or "iree" (`driver`)."""
         d = Path(export_dir)
         self.layout = CacheLayout.from_json((d / "layout.json").read_text())
+        self.float_dtype = np.dtype(self.layout.boundary_dtype)
         exported = self.layout.config_object()
         self.config: Config = exported if config is None else _compatible(config, exported)
+        if self.layout.tokens is not None and self.config.prefill_chunk_size != self.layout.tokens:
+            raise ValueError(f"the exported decode step takes exactly {self.layout.tokens} token(s) per call, but "
+                             f"Config.prefill_chunk_size={self.config.prefill_chunk_size}: run with "
+                             f"prefill_chunk_size={self.layout.tokens}")
         self.policy = make_policy(self.config)
         encoding = self.policy.mid_encoding()
         if encoding.refit and self.layout.max_context >= 2 * self.config.refit_after:
@@ -330,6 +339,11 @@ class HostRunner:
         """Run one chunk [T] (or [1, T]) of token ids; returns logits [T, V] and stores the chunk."""
         ids = np.asarray(input_ids, np.int64).reshape(1, -1)
         T = ids.shape[1]
+        if self.layout.tokens is not None and T != self.layout.tokens:
+            raise ValueError(f"the exported decode step takes exactly {self.layout.tokens} token(s) per call, not {T}")
+        if self.position + T > self.layout.max_context:
+            raise RuntimeError(f"{self.position + T} tokens exceed the export's max_context {self.layout.max_context}: "
+                               "export with a larger max_context")
         pos = np.arange(self.position, self.position + T, dtype=np.int64)[None]
         feeds = {"input_ids": ids, "position_ids": pos}
         lengths = np.zeros((self.layout.num_layers, 3), np.int64)
@@ -339,15 +353,19 @@ class HostRunner:
         feeds["lengths"] = lengths
         out = self.executor.run("decode_step", feeds)
         for i, layer in enumerate(self.layers):
-            layer.observe(layer.seq, torch.from_numpy(out[f"queries_{i}"]), self.layout.kv_heads)
+            # float16 outputs (the "npu" profile) are held as float32 (exactly), as the lifecycle works.
+            layer.observe(layer.seq, torch.from_numpy(out[f"queries_{i}"]).float(), self.layout.kv_heads)
             new_v = out.get(f"new_v_{i}")  # absent when the values live in the keys (MLA)
-            layer.append(torch.from_numpy(out[f"new_k_{i}"]), None if new_v is None else torch.from_numpy(new_v))
+            layer.append(torch.from_numpy(out[f"new_k_{i}"]).float(),
+                         None if new_v is None else torch.from_numpy(new_v).float())
         self.position += T
         return out["logits"][0]
 
     def generate(self, input_ids, max_new_tokens: int, prefill_chunk_size: int | None = None,
                  return_logits: bool = False):
-        """Greedy decoding like `kvtopo.generate` (batch 1): -> tokens [prompt + new] (and logits [new, V])."""
+        """Greedy decoding like `kvtopo.generate` (batch 1): -> tokens [prompt + new] (and logits [new, V],
+        in the graph's output dtype). A decode step with a fixed token count (the "npu" profile)
+        takes the prompt that many tokens per call."""
         ids = np.asarray(input_ids, np.int64).reshape(-1)
         chunk = prefill_chunk_size or self.config.prefill_chunk_size
         self.reset()

@@ -13,6 +13,15 @@ Batch 1. Per layer (names `<tensor>_<layer index>` in the ONNX graph; see export
   lengths   [layers, 3] int64: valid tokens in (exact, recent, mid) of each layer
 Rows past a length and padded columns are ignored by the graph (they may hold anything finite).
 
+Profiles (`profile`): None, the default, is float32 throughout with a dynamic token count in the
+ONNX decode step. "npu" is a fully static export for NPU compilers: batch 1, `tokens` (1) new
+tokens per decode-step call (prefill feeds the prompt one token per call), the capacities above
+(page size, page counts, max_context) fixed, and float16 cache and activation tensors at both
+graphs' boundaries (`boundary_dtype`); uint8 codes, int64 ids/lengths and 0-d scalars stay as
+they are. Compute inside stays float32: the graphs upcast their float16 inputs once and round
+their outputs to float16 (NPUs store float16 and accumulate in float32 or better; their
+compilers may also lower the inner compute to float16 on their own).
+
 MLA models (`shared_value_dim` = latent rank r) cache one kv-head per layer whose key is
 [latent ; RoPE key] (head_dim = r + rope) and whose value is the latent (value_head_dim = r),
 stored once inside the key as the PyTorch session does: there are no value tensors.
@@ -29,6 +38,13 @@ from kvtopo.runtime.phases import Phase, PhasePlan
 from kvtopo.runtime.policies import make_policy
 
 SUPPORTED_POLICIES = ("topo", "full")
+PROFILES = (None, "npu")
+NPU_TOKENS = 1  # tokens per decode-step call under the "npu" profile
+
+
+def check_profile(function: str, profile) -> None:
+    if profile not in PROFILES:
+        raise ValueError(f"{function}: profile={profile!r} is invalid: one of {PROFILES}")
 
 
 def plan_of(config: Config) -> PhasePlan:
@@ -71,6 +87,13 @@ class CacheLayout:
     score_margin: float
     config: dict = field(default_factory=dict)
     shared_value_dim: int | None = None  # MLA: values are the keys' first that many dims
+    profile: str | None = None  # None (float32, dynamic token count) or "npu" (static, float16 boundary)
+    tokens: int | None = None  # tokens per decode-step call when the graph fixes it (the "npu" profile)
+
+    @property
+    def boundary_dtype(self) -> str:
+        """numpy dtype name of the graphs' float inputs and outputs (cache, activations, logits)."""
+        return "float16" if self.profile == "npu" else "float32"
 
     @property
     def stored_value_dim(self) -> int:

@@ -5,7 +5,9 @@
 `decode_step` / `compressor`. The cache capacities are static; the decode step takes `tokens` new
 tokens (1 = one decode step, the NPU-friendly fully static graph), or, with `tokens=None`, a
 dynamic token count (`[1, ?]` ids and positions) so one module runs prefill chunks and decode
-steps alike (what the IREE host loop compiles, export/iree.py).
+steps alike (what the IREE host loop compiles, export/iree.py). `profile="npu"` is the static
+graph with float16 at its boundary (export/layout.py); `dynamic_signature` checks that no tensor
+type of an entry function's signature has a `?` dimension.
 A lowering failure raises `MlirLoweringError` naming the graph, the output type and the ops
 torch-mlir left unlowered (from its "failed to legalize operation '...'" diagnostics).
 """
@@ -21,8 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .onnx_export import compressor_module, decode_dynamic_shapes, example_compressor_args, example_decode_args
-from .decode_step import DecodeStep, capture, layout_for
+from .onnx_export import export_graphs
 
 OUTPUT_TYPES = ("torch", "linalg-on-tensors", "stablehlo")
 ENTRY = {"decode_step": "decode_step", "compressor": "compressor"}
@@ -74,22 +75,41 @@ def lower(module: torch.nn.Module, args, output_type: str, func_name: str, dynam
     return str(mlir_module)
 
 
-def export_mlir_files(model, out_dir, config, max_context: int, output_types=OUTPUT_TYPES, tokens: int | None = 1):
+def export_mlir_files(model, out_dir, config, max_context: int, output_types=OUTPUT_TYPES, tokens: int | None = 1,
+                      profile: str | None = None):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    captured = capture(model, max(tokens or 8, 2))
-    layout = layout_for(model, captured, config, max_context)
-    step = DecodeStep(captured, layout).eval()
-    decode_args = example_decode_args(layout, tokens or min(8, max_context))
-    graphs = {"decode_step": (step, decode_args, None if tokens else decode_dynamic_shapes(decode_args)),
-              "compressor": (compressor_module(layout), example_compressor_args(layout), None)}
+    layout, graphs = export_graphs(model, config, max_context, tokens, profile)
     paths = {}
     for name, (module, args, dynamic) in graphs.items():
         for output_type in output_types:
             text = lower(module, args, output_type, ENTRY[name], dynamic)
+            if profile == "npu" and dynamic_signature(text, ENTRY[name]):
+                raise ValueError(f"the npu profile's {name} graph ({output_type}) has dynamic dimensions in its "
+                                 f"signature: {dynamic_signature(text, ENTRY[name])}")
             path = out / f"{name}.{output_type}.mlir"
             path.write_text(text)
             paths[f"{name}.{output_type}"] = str(path)
     (out / "layout.json").write_text(layout.to_json())
     paths["layout"] = str(out / "layout.json")
     return paths
+
+
+def signature(text: str, func_name: str) -> str:
+    """The signature of `func_name` in an MLIR module's text: its `func.func @name(...) -> (...)` line
+    (MLIR prints a function's signature on one line)."""
+    start = re.search(rf"func\.func @{re.escape(func_name)}\(", text)
+    if start is None:
+        raise ValueError(f"no function @{func_name} in the MLIR module")
+    end = text.find("\n", start.end())
+    return text[start.start(): None if end < 0 else end]
+
+
+def dynamic_signature(text: str, func_name: str) -> list[str]:
+    """The tensor types in `func_name`'s signature (arguments and results) with a dynamic dimension
+    (`?`): none in a fully static graph. Reads torch (`!torch.vtensor<[1,?],si64>`) and builtin
+    (`tensor<1x?xi64>`) types."""
+    types = re.findall(r"!torch\.vtensor<[^>]*>|tensor<[^>]*>", signature(text, func_name))
+    if not types:
+        raise ValueError(f"no tensor types in the signature of @{func_name}")
+    return [t for t in types if "?" in t]

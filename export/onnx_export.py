@@ -15,21 +15,35 @@ import onnx
 import torch
 
 from .compressor import PageCompressor, SharedValuePageCompressor
-from .decode_step import DecodeStep, capture, empty_cache, input_names, layout_for, output_names
+from .decode_step import DecodeStep, capture, empty_cache, layout_for, profiled
+from .executors import graph_signature
+from .layout import NPU_TOKENS
 
 DECODE_FILE, COMPRESSOR_FILE, LAYOUT_FILE = "decode_step.onnx", "compressor.onnx", "layout.json"
 COMPRESSOR_INPUTS, COMPRESSOR_OUTPUTS = list(PageCompressor.INPUTS), list(PageCompressor.OUTPUTS)
 
 
-def decode_step_program(model, config, max_context: int, tokens: int = 8):
-    """(DecodeStep module, example args, torch.export ExportedProgram with a dynamic token count)."""
-    captured = capture(model, tokens)
+def export_graphs(model, config, max_context: int, tokens: int | None = None, profile: str | None = None):
+    """(layout, {graph: (module, example args, torch.export dynamic_shapes or None)}) of both graphs.
+
+    `tokens`: new tokens per decode-step call, or None for a dynamic token count. The "npu"
+    profile fixes it to NPU_TOKENS and puts float16 at both graphs' boundaries (Float16Boundary);
+    the layout records both, and a fixed token count is the config's prefill chunk (the host
+    runner feeds a prompt in calls of exactly that many tokens).
+    """
+    if profile == "npu":
+        tokens = NPU_TOKENS
+    if tokens is not None:
+        config = config.replace(prefill_chunk_size=tokens)
+    captured = capture(model, max(tokens or 8, 2))
     layout = layout_for(model, captured, config, max_context)
+    layout.profile, layout.tokens = profile, tokens
     step = DecodeStep(captured, layout).eval()
-    args = example_decode_args(layout, tokens)
-    with torch.no_grad():
-        ep = torch.export.export(step, args, dynamic_shapes=decode_dynamic_shapes(args), strict=False)
-    return step, args, ep
+    decode_args = example_decode_args(layout, tokens or min(8, max_context))
+    dynamic = None if tokens else decode_dynamic_shapes(decode_args)
+    graphs = {"decode_step": (*profiled(step, decode_args, profile), dynamic),
+              "compressor": (*profiled(compressor_module(layout), example_compressor_args(layout), profile), None)}
+    return layout, graphs
 
 
 def decode_dynamic_shapes(args):
@@ -106,15 +120,32 @@ def _to_onnx(ep, args, path: Path, names_in, names_out) -> onnx.ModelProto:
     return model
 
 
-def export_onnx_files(model, out_dir, config, max_context: int = 4096) -> dict[str, str]:
-    """Write decode_step.onnx, compressor.onnx and layout.json to out_dir; return their paths."""
+def export_onnx_files(model, out_dir, config, max_context: int = 4096, profile: str | None = None) -> dict[str, str]:
+    """Write decode_step.onnx, compressor.onnx and layout.json to out_dir; return their paths.
+    Under the "npu" profile every input and output dimension of both files is a number
+    (`dynamic_dims` finds none; raises otherwise)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    step, args, ep = decode_step_program(model, config, max_context)
-    layout = step.layout
-    _to_onnx(ep, args, out / DECODE_FILE, input_names(layout), output_names(layout))
-    cmodule, cargs, cep = compressor_program(layout)
-    _to_onnx(cep, cargs, out / COMPRESSOR_FILE, list(cmodule.INPUTS), list(cmodule.OUTPUTS))
+    layout, graphs = export_graphs(model, config, max_context, profile=profile)
+    paths = {"decode_step": str(out / DECODE_FILE), "compressor": str(out / COMPRESSOR_FILE)}
+    for graph, (module, args, dynamic) in graphs.items():
+        with torch.no_grad():
+            ep = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
+        model_proto = _to_onnx(ep, args, Path(paths[graph]), *graph_signature(layout, graph))
+        if profile == "npu" and dynamic_dims(model_proto):
+            raise ValueError(f"the npu profile's {graph} graph has dynamic dimensions: {dynamic_dims(model_proto)}")
     (out / LAYOUT_FILE).write_text(layout.to_json())
-    return {"decode_step": str(out / DECODE_FILE), "compressor": str(out / COMPRESSOR_FILE),
-            "layout": str(out / LAYOUT_FILE)}
+    return {**paths, "layout": str(out / LAYOUT_FILE)}
+
+
+def dynamic_dims(model: onnx.ModelProto) -> list[str]:
+    """`name[axis]` of every graph input or output dimension that is not a number (a symbol or
+    unknown): none in a fully static graph."""
+    found = []
+    for value in [*model.graph.input, *model.graph.output]:
+        tensor = value.type.tensor_type
+        if not tensor.HasField("shape"):
+            found.append(f"{value.name}[*]")
+            continue
+        found += [f"{value.name}[{axis}]" for axis, dim in enumerate(tensor.shape.dim) if not dim.HasField("dim_value")]
+    return found
