@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .find_window import mask_window
 from .graph_utils import (ActivationSources, _weight_placeholder, arg, attention_shapes, check_self_attention,
-                          constant_value, is_call, layer_name, meta_tensor, skip_casts, strip_repeat_kv)
+                          collect_sites, constant_value, is_call, meta_tensor, skip_casts, strip_repeat_kv)
 from .site import AttentionSite, NotAttention, Refusal
 
 _SOFTMAX = ((F.softmax, torch.softmax), ("softmax",))
@@ -38,17 +38,8 @@ def _is(node, group) -> bool:
 
 
 def find_eager_sites(gm: fx.GraphModule) -> tuple[list[AttentionSite], list[Refusal]]:
-    sources = ActivationSources(gm.graph)
-    sites, refusals = [], []
-    for node in gm.graph.nodes:
-        if not _is(node, _SOFTMAX) or not _fed_by_matmul(node):
-            continue  # e.g. an MoE router's softmax over linear logits: not attention at all
-        layer = layer_name(node, node.name)
-        try:
-            sites.append(_match(node, layer, sources))
-        except NotAttention as why:
-            refusals.append(Refusal(layer, "eager", node.name, str(why)))
-    return sites, refusals
+    # A softmax not fed by a matmul (e.g. an MoE router's over linear logits) is not attention at all.
+    return collect_sites(gm, "eager", lambda node: _is(node, _SOFTMAX) and _fed_by_matmul(node), _match)
 
 
 def _fed_by_matmul(softmax: fx.Node, depth: int = 8) -> bool:

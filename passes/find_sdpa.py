@@ -7,23 +7,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .find_window import mask_window
-from .graph_utils import (ActivationSources, arg, attention_shapes, check_self_attention, default_scale, is_call,
-                          layer_name, meta_tensor, static_int, strip_repeat_kv)
+from .graph_utils import (ActivationSources, arg, attention_shapes, check_self_attention, collect_sites, default_scale, is_call,
+                          meta_tensor, static_int, strip_repeat_kv)
 from .site import AttentionSite, NotAttention, Refusal
 
 
 def find_sdpa_sites(gm: fx.GraphModule) -> tuple[list[AttentionSite], list[Refusal]]:
-    sources = ActivationSources(gm.graph)
-    sites, refusals = [], []
-    for node in gm.graph.nodes:
-        if not is_call(node, F.scaled_dot_product_attention):
-            continue
-        layer = layer_name(node, node.name)
-        try:
-            sites.append(_match(node, layer, sources))
-        except NotAttention as why:
-            refusals.append(Refusal(layer, "sdpa", node.name, str(why)))
-    return sites, refusals
+    return collect_sites(gm, "sdpa", lambda node: is_call(node, F.scaled_dot_product_attention), _match)
 
 
 def _match(node: fx.Node, layer: str, sources: ActivationSources) -> AttentionSite:

@@ -9,7 +9,7 @@ import re
 import torch
 import torch.fx as fx
 
-from .site import NotAttention
+from .site import AttentionSite, NotAttention, Refusal
 
 _MODULE_PREFIX = re.compile(r"^L\[[^\]]+\](\[\d+\])?\.?")
 
@@ -204,3 +204,19 @@ def attention_shapes(query: fx.Node, key: fx.Node, value: fx.Node) -> tuple[int,
     if heads % kv_heads:
         raise NotAttention(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
     return heads, kv_heads, head_dim, value_dim
+
+
+def collect_sites(gm: fx.GraphModule, pattern: str, is_candidate, match) -> tuple[list[AttentionSite], list[Refusal]]:
+    """Every node `is_candidate` accepts, proven by `match(node, layer, sources)`: the sites it
+    proves, and a `Refusal` carrying the reason for each it cannot."""
+    sources = ActivationSources(gm.graph)
+    sites, refusals = [], []
+    for node in gm.graph.nodes:
+        if not is_candidate(node):
+            continue
+        layer = layer_name(node, node.name)
+        try:
+            sites.append(match(node, layer, sources))
+        except NotAttention as why:
+            refusals.append(Refusal(layer, pattern, node.name, str(why)))
+    return sites, refusals
