@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvtopo
-from kvtopo.runtime.layer_cache import BudgetExceeded, LayerCache, best_tokens
+from kvtopo.runtime.layer_cache import LayerCache, best_tokens
+from kvtopo.runtime.lifecycle import BudgetExceeded
 from kvtopo.runtime.phases import Phase, PhasePlan
 from kvtopo.runtime.policies import make_policy
 from kvtopo.runtime.policies.topo import SUCCESSORS, carry_forward

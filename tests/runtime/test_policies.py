@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import kvtopo
 from kvtopo import Config
 from kvtopo.kernels.scoring import softmax_mass
-from kvtopo.runtime.layer_cache import BudgetExceeded
+from kvtopo.runtime.lifecycle import BudgetExceeded
 from kvtopo.runtime.phases import Phase
 from kvtopo.runtime.policies import POLICIES, ScoreInputs, make_policy
 from kvtopo.runtime.policies.snapkv import max_pool_tokens
@@ -398,7 +398,7 @@ def test_palu_bytes_shrink_with_energy():
 @pytest.mark.parametrize("name", EVICTING)
 def test_evicting_baselines_meet_their_budget_once_the_context_allows(name):
     # The pages that entered Mid while the exact pages and metadata held most of the budget kept
-    # their tokens' share (layer_cache.page_room); the later ones make up for it.
+    # their tokens' share (lifecycle.page_room); the later ones make up for it.
     n = 4000
     k, v = _kv(n, heads=2, dim=32, dtype=torch.float16, seed=20)
     q = torch.randn(4, n, 32, generator=torch.Generator().manual_seed(21)).half()
