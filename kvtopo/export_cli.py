@@ -1,4 +1,4 @@
-"""`kvtopo export onnx|mlir MODEL --out DIR [--config JSON] [--max-context N] [--target RUNTIME]`.
+"""`kvtopo export onnx|mlir MODEL --out DIR [--config JSON] [--max-context N] [--target RUNTIME] [--profile npu]`.
 
 MODEL is a zoo name, `smollm2` (the project's real model, models/pretrained.py), or a path: a
 Hugging Face checkpoint directory or a `.gguf` file. Real models are loaded in float32, the
@@ -9,6 +9,10 @@ greedy steps through HostRunner on that runtime and through the PyTorch session;
 is 1 when the tokens differ. The prompt is prose from models/real_tasks.py when the model comes
 with a tokenizer, random token ids otherwise. onnx: onnxruntime or openvino; mlir: iree (the MLIR
 is then exported with a dynamic token count and compiled to .vmfb, export_iree).
+
+`--profile npu` exports fully static graphs with float16 at their boundaries (batch 1, one token
+per decode-step call, the cache capacities of --max-context; export/layout.py); the smoke run then
+prefills one token per call and compares with the float32 session doing the same.
 
 Registered by adding `add_export` to `SUBCOMMANDS` in kvtopo/cli.py:
     from kvtopo.export_cli import add_export
@@ -41,6 +45,9 @@ def add_export(subparsers) -> None:
     p.add_argument("--target", choices=sorted(TARGET_FORMAT), default=None,
                    help="compile for this runtime and smoke-run against the PyTorch session "
                         "(onnx: onnxruntime|openvino; mlir: iree)")
+    p.add_argument("--profile", choices=("npu",), default=None,
+                   help="npu: static shapes (batch 1, 1 token per decode-step call, fixed cache buffers) and "
+                        "float16 cache/activation tensors at the graph boundary")
     p.add_argument("--smoke-tokens", type=int, default=8, metavar="N",
                    help="greedy steps of the smoke run after the prompt (default: 8)")
     p.add_argument("--smoke-prompt", type=int, default=32, metavar="N",
@@ -107,12 +114,13 @@ def _run_export(args: argparse.Namespace) -> int:
         import export as kx
     config = _config(args.config)
     model, tokenizer = load_model(args.model)
+    common = dict(config=config, max_context=max_context, profile=args.profile)
     if args.format == "onnx":
-        paths = kx.export_onnx(model, args.out, config=config, max_context=max_context)
+        paths = kx.export_onnx(model, args.out, **common)
     elif args.target == "iree":
-        paths = kx.export_iree(model, args.out, config=config, max_context=max_context)
+        paths = kx.export_iree(model, args.out, **common)
     else:
-        paths = kx.export_mlir(model, args.out, config=config, max_context=max_context)
+        paths = kx.export_mlir(model, args.out, **common)
     for name, path in paths.items():
         print(f"{name}: {path}")
     if args.target is None:

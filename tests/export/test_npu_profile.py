@@ -119,3 +119,15 @@ def test_static_checks_find_dynamic_dimensions():
         mlir.dynamic_signature(text, "compressor")
     with pytest.raises(ValueError, match="profile='gpu' is invalid"):
         export_package().export_onnx("llama", "out", profile="gpu")
+
+
+def test_cli_profile_npu_smoke_runs(tmp_path, capsys):
+    from kvtopo.cli import main
+
+    code = main(["export", "onnx", "llama", "--out", str(tmp_path), "--max-context", "40", "--profile", "npu",
+                 "--target", "onnxruntime", "--smoke-prompt", "16", "--smoke-tokens", "4"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "onnxruntime: same tokens as the PyTorch session over 4 new tokens" in out
+    layout = export_module("layout").CacheLayout.from_json((tmp_path / "layout.json").read_text())
+    assert (layout.profile, layout.tokens, layout.max_context) == ("npu", 1, 40)
