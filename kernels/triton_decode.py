@@ -75,6 +75,31 @@ def _tanh(x):
 
 
 @triton.jit
+def _online_softmax_step(logits, n_ok, m_i, l_i, cap, CAPPED: tl.constexpr):
+    """One block of the running softmax: (p, alpha, new row max, new row sum). Masked columns
+    get p = 0; a row that has seen nothing yet keeps max -inf and sum 0."""
+    if CAPPED:
+        logits = cap * _tanh(logits / cap)
+    logits = tl.where(n_ok[None, :], logits, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logits, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_use)
+    p = tl.exp(logits - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _store_split(acc, m_i, l_i, o_ptr, lse_ptr, h, S, s, G, rg, g_ok, rcol, WIDTH):
+    """A split's normalised output [G, WIDTH] and log-sum-exp (-inf for rows that saw nothing)."""
+    seen = l_i > 0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    row = (h * S + s) * G + rg
+    tl.store(o_ptr + row[:, None] * WIDTH + rcol[None, :], out, mask=g_ok[:, None] & (rcol[None, :] < WIDTH))
+    tl.store(lse_ptr + row, lse, mask=g_ok)
+
+
+@triton.jit
 def _dense_split_kernel(
     q_ptr, k_ptr, v_ptr,
     ks_ptr, ko_ptr, vs_ptr, vo_ptr,
@@ -116,14 +141,7 @@ def _dense_split_kernel(
         else:
             k = tl.load(k_ptr + h * stride_kh + n[:, None] * stride_kn + rdk[None, :], mask=kmask, other=0.0).to(tl.float32)
         logits = tl.dot(q, tl.trans(k), input_precision="ieee")
-        if CAPPED:
-            logits = cap * _tanh(logits / cap)
-        logits = tl.where(n_ok[None, :], logits, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(logits - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = _online_softmax_step(logits, n_ok, m_i, l_i, cap, CAPPED)
         if QUANT:
             vbit = rdv[None, :] * BITS
             vbyte = tl.load(v_ptr + h * stride_vh + n[:, None] * stride_vn + (vbit >> 3), mask=vmask, other=0)
@@ -136,12 +154,7 @@ def _dense_split_kernel(
             v = tl.load(v_ptr + h * stride_vh + n[:, None] * stride_vn + rdv[None, :], mask=vmask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
-    seen = l_i > 0
-    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    row = (h * S + s) * G + rg
-    tl.store(o_ptr + row[:, None] * DV + rdv[None, :], out, mask=g_ok[:, None] & (rdv[None, :] < DV))
-    tl.store(lse_ptr + row, lse, mask=g_ok)
+    _store_split(acc, m_i, l_i, o_ptr, lse_ptr, h, S, s, G, rg, g_ok, rdv, DV)
 
 
 @triton.jit
@@ -190,14 +203,7 @@ def _mid_split_kernel(
         kst = st[:, None].to(tl.int64) * KC + kcol
         ck = tl.load(ko_ptr + kst, mask=kmask, other=0.0) + kcode.to(tl.float32) * tl.load(ks_ptr + kst, mask=kmask, other=0.0)
         logits = tl.dot(qp, tl.trans(ck), input_precision="ieee") + qb[:, None]
-        if CAPPED:
-            logits = cap * _tanh(logits / cap)
-        logits = tl.where(n_ok[None, :], logits, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(logits - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = _online_softmax_step(logits, n_ok, m_i, l_i, cap, CAPPED)
         vmask = n_ok[:, None] & (rv_[None, :] < v_rank)
         vcol = v_start + rv_[None, :]
         vbit = vcol * VBITS
@@ -213,12 +219,7 @@ def _mid_split_kernel(
             cv = tl.load(vo_ptr + vst, mask=vmask, other=0.0) + vcode.to(tl.float32) * tl.load(vs_ptr + vst, mask=vmask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p, cv, input_precision="ieee")
         m_i = m_new
-    seen = l_i > 0
-    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    row = (h * S + s) * G + rg
-    tl.store(o_ptr + row[:, None] * RV + rv_[None, :], out, mask=g_ok[:, None] & (rv_[None, :] < RV))
-    tl.store(lse_ptr + row, lse, mask=g_ok)
+    _store_split(acc, m_i, l_i, o_ptr, lse_ptr, h, S, s, G, rg, g_ok, rv_, RV)
 
 
 def _splits(n: int, heads: int, block: int, device: torch.device) -> tuple[int, int]:
