@@ -16,7 +16,7 @@ from kvtopo.export.check import session_reference
 from kvtopo.export.host_runner import HostRunner
 from kvtopo.models import zoo
 
-from export_common import CONFIG, export_module, export_package
+from export_common import CONFIG, assert_openvino_supports_every_op, export_module, export_package
 
 PROMPT, NEW = 64, 16  # 80 tokens: Initial, Mid, Recent and Terminal pages at page_size 16
 # The float32 session the profile is compared with: what the graphs do (one token per call, so
@@ -71,6 +71,7 @@ def test_onnx_profile_is_static_and_matches_session(llama, tmp_path):
         assert any(t == TensorProto.UINT8 for t, _ in types.values()), graph
     assert onnx.load(paths["decode_step"]).graph.input[0].type.tensor_type.shape.dim[1].dim_value == 1
 
+    assert_openvino_supports_every_op(paths)
     import openvino as ov
 
     core = ov.Core()
