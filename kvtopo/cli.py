@@ -2,6 +2,7 @@
 
     kvtopo inspect llama                       # attention sites of a zoo model, found or refused
     kvtopo inspect deepseek-v3 --attn eager --tokens 16
+    kvtopo serve path/to/checkpoint --config '{"target_ratio": 8}'   # OpenAI-compatible server
 
 Each subcommand is one `_add_<name>(subparsers)` function that registers its parser and sets
 `run=<handler>`; a handler takes the parsed arguments and returns the exit code. To add a
@@ -66,6 +67,52 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_config(text: str | None):
+    """A kvtopo Config from `--config`: JSON fields inline (`'{"target_ratio": 4}'`) or a JSON
+    file's path; None gives `Config()`."""
+    import json
+
+    from kvtopo.config import Config
+
+    if text is None:
+        return Config()
+    try:
+        fields = json.loads(text) if text.lstrip().startswith("{") else json.loads(open(text).read())
+        if "protected_spans" in fields:
+            fields["protected_spans"] = tuple(tuple(s) for s in fields["protected_spans"])
+        return Config(**fields)
+    except (OSError, json.JSONDecodeError, TypeError, ValueError) as err:
+        raise UsageError(f"--config: {err}") from None
+
+
+# -- serve ---------------------------------------------------------------------------------------
+def _add_serve(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="transformers' OpenAI-compatible server with kvtopo's store as its KV cache",
+        description="Run `transformers serve` (continuous batching on, CPU) on MODEL with every request's KV history "
+                    "in one kvtopo session (kvtopo.serving.serve). Serves until interrupted.",
+    )
+    p.add_argument("model", metavar="MODEL", help="a checkpoint directory, <dir>:<file>.gguf, or smollm2")
+    p.add_argument("--config", metavar="JSON", default=None,
+                   help="kvtopo Config fields as JSON, inline or a file path (default: Config())")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default: 127.0.0.1)")
+    p.add_argument("--port", type=_positive_int, default=8000, help="listen port (default: 8000)")
+    p.add_argument("--dtype", default="auto", help="model dtype, as transformers serve takes it (default: auto)")
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from kvtopo.serving.serve import start_server
+
+    config = parse_config(args.config)
+    try:
+        start_server(args.model, config, host=args.host, port=args.port, block=True, dtype=args.dtype)
+    except FileNotFoundError as err:
+        raise UsageError(str(err)) from None
+    return 0
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -77,7 +124,7 @@ def _positive_int(text: str) -> int:
 
 
 # -- the command ---------------------------------------------------------------------------------
-SUBCOMMANDS = (_add_inspect, add_export)
+SUBCOMMANDS = (_add_inspect, add_export, _add_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,6 @@ Registered by adding `add_export` to `SUBCOMMANDS` in kvtopo/cli.py:
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 
@@ -80,23 +79,8 @@ def load_model(spec: str):
         raise UsageError(f"model path {err}") from None
 
 
-def _config(text: str | None):
-    from kvtopo.cli import UsageError
-    from kvtopo.config import Config
-
-    if text is None:
-        return Config()
-    try:
-        fields = json.loads(text) if text.lstrip().startswith("{") else json.loads(open(text).read())
-        if "protected_spans" in fields:
-            fields["protected_spans"] = tuple(tuple(s) for s in fields["protected_spans"])
-        return Config(**fields)
-    except (OSError, json.JSONDecodeError, TypeError, ValueError) as err:
-        raise UsageError(f"--config: {err}") from None
-
-
 def _run_export(args: argparse.Namespace) -> int:
-    from kvtopo.cli import UsageError
+    from kvtopo.cli import UsageError, parse_config
 
     if args.max_context is not None and args.max_context < 1:
         raise UsageError(f"--max-context {args.max_context} is invalid: an int >= 1 (tokens)")
@@ -112,7 +96,7 @@ def _run_export(args: argparse.Namespace) -> int:
         from kvtopo import export as kx
     except ImportError:
         import export as kx
-    config = _config(args.config)
+    config = parse_config(args.config)
     model, tokenizer = load_model(args.model)
     common = dict(config=config, max_context=max_context, profile=args.profile)
     if args.format == "onnx":

@@ -48,3 +48,14 @@ def test_bad_command_lines_exit_2(argv, capsys):
         cli.main(argv)
     assert exc.value.code == 2
     assert "usage: kvtopo" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "/nonexistent/checkpoint"], "is not a checkpoint directory"),
+    (["serve", "/tmp", "--config", '{"bogus": 1}'], "--config: "),
+])
+def test_serve_refuses_what_it_cannot_load_before_starting(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

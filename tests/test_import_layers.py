@@ -16,7 +16,7 @@ ALLOWED = {
     "models": set(),
     "runtime": {"kernels", "config"},
     "passes": {"kernels", "config"},
-    "serving": {"runtime", "kernels", "config"},
+    "serving": {"runtime", "kernels", "models", "config"},
     "export": {"runtime", "passes", "kernels", "models", "config"},
 }
 PACKAGES = set(ALLOWED) | {"kvtopo"}

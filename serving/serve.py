@@ -1,0 +1,147 @@
+"""`transformers serve` with kvtopo's store as its KV cache: an OpenAI-compatible server.
+
+    kvtopo serve PATH [--config '{"target_ratio": 8}'] [--host 127.0.0.1] [--port 8000]
+    kvtopo serve smollm2                  # the project's real model (models/pretrained.py)
+
+    server = start_server("path/to/checkpoint", Config(), port=8000)   # returns once it listens
+    ...                                    # POST http://127.0.0.1:8000/v1/chat/completions
+    server.session.stats()                 # the bytes every request's history holds
+    server.stop()
+
+transformers' own server runs unchanged (its FastAPI app, chat template, streaming, request
+handling) with its continuous batching on; every request's KV history lives in one kvtopo
+session through `serving.continuous_batching.KvtopoBatchingManager`. The hook is the engine's own
+entry point: the server asks the loaded model for `model.init_continuous_batching(...)`, and
+kvtopo gives each model it loads an `init_continuous_batching` that builds (once) kvtopo's manager
+with the server's generation and batching configs. To reach the model as it loads, the server's
+`ModelManager` is built as a subclass whose `_load_model` adds that method: the server builds its
+manager by the module-level name, which is rebound to the subclass while the server is built (the
+same kind of patch as the cache class in continuous_batching.py, pinned to the same transformers
+version). Needs the packages transformers' server needs: fastapi, uvicorn, pydantic, openai
+(`pip install -e '.[serve]'`).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtopo.config import Config
+from kvtopo.runtime.session import Session
+
+from .continuous_batching import KvtopoBatchingManager, check_transformers_version
+
+_MANAGER_CLASS_LOCK = threading.Lock()
+
+
+def _kvtopo_batching(model, session: Session, generation_config=None, continuous_batching_config=None,
+                     workload_hints=None) -> KvtopoBatchingManager:
+    """`model.init_continuous_batching` of a served model: kvtopo's manager, built on first use
+    (as transformers caches its own manager on the model) and reused by every request."""
+    manager = getattr(model, "_cached_continuous_batching_manager", None)
+    if not isinstance(manager, KvtopoBatchingManager):
+        manager = KvtopoBatchingManager(model, session, generation_config, continuous_batching_config, workload_hints)
+        model._cached_continuous_batching_manager = manager
+    return manager
+
+
+@contextmanager
+def _server_loads_models_with(session: Session):
+    """While the block runs, transformers' server builds a ModelManager whose models carry kvtopo's
+    `init_continuous_batching`."""
+    from transformers.cli.serving import model_manager
+
+    class KvtopoModelManager(model_manager.ModelManager):
+        def _load_model(self, *args, **kwargs):
+            model = super()._load_model(*args, **kwargs)
+            model.init_continuous_batching = functools.partial(_kvtopo_batching, model, session)
+            return model
+
+    with _MANAGER_CLASS_LOCK:
+        original = model_manager.ModelManager
+        model_manager.ModelManager = KvtopoModelManager
+        try:
+            yield
+        finally:
+            model_manager.ModelManager = original
+
+
+@dataclass
+class KvtopoServer:
+    """A running server: its URL, the kvtopo session holding every request's history, and `stop`."""
+
+    url: str
+    session: Session
+    _serve: object
+
+    def stop(self) -> None:
+        self._serve.kill_server()
+        if self.session.active:
+            self.session.__exit__(None, None, None)
+
+
+def _model_spec(model: str) -> str:
+    """What transformers' server loads: a checkpoint directory or `<dir>:<file>.gguf` as it is;
+    `smollm2` is the project's real model, fetched and cached (models/pretrained.py). Nothing is
+    looked up on a model hub."""
+    if model != "smollm2":
+        directory, _, gguf = model.rpartition(":") if model.endswith(".gguf") else (model, "", "")
+        if not Path(directory).is_dir() or (gguf and not (Path(directory) / gguf).is_file()):
+            raise FileNotFoundError(f"model {model!r} is not a checkpoint directory or <dir>:<file>.gguf here "
+                                    "(kvtopo serves local models only; or name smollm2)")
+        return model
+    from kvtopo.models import pretrained
+
+    path = pretrained.weights_path()
+    return f"{path.parent}:{path.name}"
+
+
+def start_server(model: str, config: Config | None = None, *, host: str = "127.0.0.1", port: int = 8000,
+                 block: bool = False, timeout: float = 300.0, **serve_options) -> KvtopoServer:
+    """Start transformers' OpenAI-compatible server on `model` (a checkpoint directory, a
+    `<dir>:<file>.gguf`, or `smollm2`) with kvtopo `config` (default `Config()`) as the KV cache.
+
+    `block=False` returns once the server answers /health (within `timeout` seconds, the model
+    loaded); `block=True` serves until interrupted. `serve_options`: other `transformers serve`
+    options (e.g. `cb_max_batch_tokens=256`, `dtype="float32"`)."""
+    check_transformers_version()
+    from transformers.cli.serve import Serve
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        raise ImportError("kvtopo serve runs transformers' server, which needs fastapi, uvicorn, pydantic and openai: "
+                          "pip install -e '.[serve]'")
+    session = Session(config)
+    session.__enter__()
+    try:
+        with _server_loads_models_with(session):
+            serve = Serve(force_model=_model_spec(model), continuous_batching=True, device="cpu", host=host,
+                          port=port, non_blocking=not block, **serve_options)
+    except BaseException:
+        session.__exit__(None, None, None)
+        raise
+    server = KvtopoServer(f"http://{host}:{port}", session, serve)
+    if not block:
+        _wait_until_up(server, timeout)
+    return server
+
+
+def _wait_until_up(server: KvtopoServer, timeout: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise TimeoutError(f"the kvtopo server at {server.url} did not answer /health within {timeout:.0f} s")
+        time.sleep(0.2)

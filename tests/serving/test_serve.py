@@ -1,0 +1,99 @@
+"""`transformers serve` with kvtopo's store (serving/serve.py): concurrent chat requests over loopback."""
+
+import json
+import socket
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+from kvtopo.config import Config
+from kvtopo.models import zoo
+from kvtopo.serving.continuous_batching import page_ownership_errors
+
+pytest.importorskip("fastapi", reason="kvtopo serve needs transformers' server extras: pip install -e '.[serve]'")
+
+from kvtopo.serving.serve import start_server  # noqa: E402
+
+NEW_TOKENS = 8
+EOS = 252
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The zoo Llama saved with a word-level tokenizer over its 256 ids ("w0".."w249") and a
+    plain chat template: what transformers' server loads from a directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(250)} | {"<unk>": 250, "<s>": 251, "</s>": EOS}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    model = zoo.build("llama")
+    model.generation_config = GenerationConfig(do_sample=False, eos_token_id=EOS, max_new_tokens=NEW_TOKENS)
+    path = tmp_path_factory.mktemp("served_llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model, tokenizer
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _chat(server, model_id: str, text: str) -> str:
+    body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": text}],
+                       "max_tokens": NEW_TOKENS, "temperature": 0}).encode()
+    request = urllib.request.Request(server.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())["choices"][0]["message"]["content"]
+
+
+def _prompts(lengths):
+    g = torch.Generator().manual_seed(3)
+    return [" ".join(f"w{i}" for i in torch.randint(0, 250, (n,), generator=g).tolist()) for n in lengths]
+
+
+def _serve_concurrently(checkpoint, config: Config, lengths):
+    path, _, _ = checkpoint
+    server = start_server(str(path), config, port=_free_port(), dtype="float32", cb_max_batch_tokens=64)
+    try:
+        prompts = _prompts(lengths)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda text: _chat(server, str(path), text), prompts))
+        manager = next(m.model._cached_continuous_batching_manager
+                       for m in server._serve._model_manager.loaded_models.values())
+        return prompts, answers, server.session, manager.kv_cache.peak
+    finally:
+        server.stop()
+
+
+def test_concurrent_chat_requests_get_the_models_own_answers(checkpoint):
+    _, model, tokenizer = checkpoint
+    prompts, answers, session, peak = _serve_concurrently(checkpoint, Config.lossless(page_size=16), (20, 45, 70, 110))
+    for text, answer in zip(prompts, answers):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1]:]
+        assert answer == tokenizer.decode(expected, skip_special_tokens=True)
+    # The histories were kvtopo's (the peak held every request's pages), and each finished
+    # request gave its pages back.
+    assert peak is not None and peak.fp16_bytes > 0 and len(peak.tokens) >= 2
+    assert not page_ownership_errors(session)
+    assert all(cache.pool.live_pages == 0 for cache in session.layers.values())
+
+
+def test_the_compressed_default_serves_in_fewer_bytes(checkpoint):
+    small_pages = dict(page_size=16, sink_tokens=16, recent_tokens=32)
+    lengths = (180, 220, 260)
+    _, lossless_answers, _, lossless = _serve_concurrently(checkpoint, Config.lossless(**small_pages), lengths)
+    _, answers, _, compressed = _serve_concurrently(checkpoint, Config(**small_pages), lengths)
+    assert all(len(a.split()) > 0 for a in answers + lossless_answers)
+    assert compressed.ratio_vs_fp16 > 1.0
+    assert compressed.total_bytes < lossless.total_bytes / 2, (compressed.total_bytes, lossless.total_bytes)
