@@ -56,8 +56,15 @@ def _server_loads_models_with(session: Session):
     from transformers.cli.serving import model_manager
 
     class KvtopoModelManager(model_manager.ModelManager):
-        def _load_model(self, *args, **kwargs):
-            model = super()._load_model(*args, **kwargs)
+        def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
+            if gguf_file is None:
+                model = super()._load_model(model_id_and_revision, tqdm_class, progress_callback)
+            else:  # the server picks the class by config.architectures, which a GGUF file's config lacks
+                from transformers import AutoModelForCausalLM
+
+                model_id, revision = model_manager.split_revision(model_id_and_revision)
+                model = AutoModelForCausalLM.from_pretrained(model_id, gguf_file=gguf_file, revision=revision,
+                                                             dtype=self.dtype, device_map=self.device)
             model.init_continuous_batching = functools.partial(_kvtopo_batching, model, session)
             return model
 
