@@ -1,0 +1,167 @@
+"""Serving at a fixed KV memory budget: transformers' continuous batching with its own paged cache
+vs with kvtopo's store (serving/continuous_batching.py), on the same request stream.
+
+The stream: `--requests` prompts of random ids, lengths uniform in `--min-prompt`..`--max-prompt`
+tokens, `--new-tokens` greedy tokens each, arriving at engine steps drawn from a Poisson process
+(exponential gaps of mean `--mean-gap` steps; reproducible, not wall time). The model: the zoo
+Llama (float32, CPU). Both engines are driven one engine step at a time by the same loop.
+
+The budget (`--budget-mb`, bytes of K/V) sizes transformers' own cache: its block count is the
+budget over one block's K/V bytes, and it admits requests by free blocks. kvtopo's store is
+admitted by the engine's same logical block ledger, given `target_ratio` times as many blocks (the
+bytes per token kvtopo is asked to hold are that many times fewer); what kvtopo really held is
+measured after every step (`Session.stats().total_bytes`, pool slots free or live, codes,
+metadata) and printed next to the budget — the run says whether the budget was kept, it does not
+assume it. Lossless (`Config.lossless()`, the engine's block count) must give every request the
+same tokens as the engine's own cache; that is checked and printed.
+
+Reported per engine: peak concurrent requests (requests the scheduler holds active at once),
+aggregate decode tokens/s (generated tokens over the run's wall time), median time to first
+token (from arrival), peak KV bytes.
+
+    python bench/serving.py [--requests 10] [--min-prompt 4096] [--max-prompt 16384] [--budget-mb 12]
+                            [--out bench/results/serving.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BLOCK = 32  # tokens per engine block
+
+
+def stream(requests: int, min_prompt: int, max_prompt: int, new_tokens: int, mean_gap: float, vocab: int, seed: int):
+    """[(arrival step, request id, prompt ids, new tokens)] in arrival order."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(mean_gap, requests)).astype(int)
+    lengths = rng.integers(min_prompt, max_prompt + 1, requests)
+    return [(int(a), f"r{i}", rng.integers(0, vocab, int(n)).tolist(), new_tokens)
+            for i, (a, n) in enumerate(zip(arrivals, lengths))]
+
+
+def kv_bytes_per_token(model) -> int:
+    c = model.config
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+
+
+def run_engine(model, plans, num_blocks: int, max_batch_tokens: int, session=None, kv_bytes=None) -> dict:
+    """Drive one engine over the stream step by step; `session`: kvtopo's store (else the engine's own cache)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    from kvtopo.serving.continuous_batching import KvtopoBatchingManager
+
+    greedy = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
+    engine = ContinuousBatchingConfig(num_blocks=num_blocks, page_size=BLOCK, max_batch_tokens=max_batch_tokens,
+                                      safety_margin=0.0)
+    manager = (KvtopoBatchingManager(model, session, greedy, engine) if session is not None
+               else ContinuousBatchingManager(model, greedy, engine))
+    processor = manager._create_batch_processor()
+    manager.batch_processor, manager.current_batch = processor, 0
+    pending, arrived, outputs, step = list(plans), {}, {}, 0
+    peak_active = peak_bytes = 0
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        while len(outputs) < len(plans):
+            while pending and pending[0][0] <= step:
+                _, rid, prompt, new = pending.pop(0)
+                manager.add_request(prompt, request_id=rid, max_new_tokens=new, record_timestamps=True)
+                arrived[rid] = time.perf_counter()
+            if len(arrived) > len(outputs):  # something to run (else only the clock of arrivals moves)
+                manager._generation_loop_body(processor, bootstrapping=False)
+                peak_active = max(peak_active, len(processor.scheduler.active_requests))
+                held = session.stats().total_bytes if session is not None else kv_bytes
+                peak_bytes = max(peak_bytes, held)
+            while not manager.output_router.output_queue.empty():
+                out = manager.output_router.output_queue.get()
+                if out.is_finished() or out.error is not None:
+                    outputs[out.request_id] = out
+            step += 1
+    wall = time.perf_counter() - t0
+    failed = [rid for rid, out in outputs.items() if out.error is not None]
+    if failed or len(outputs) != len(plans):
+        raise RuntimeError(f"{len(outputs)} of {len(plans)} requests returned; failed: {failed}")
+    generated = sum(len(out.generated_tokens) for out in outputs.values())
+    ttft = [out.timestamps[0] - arrived[rid] for rid, out in outputs.items() if out.timestamps]
+    return {"wall_s": round(wall, 2), "steps": step, "peak_concurrent": peak_active, "peak_kv_bytes": int(peak_bytes),
+            "generated_tokens": generated, "decode_tokens_per_s": round(generated / wall, 2),
+            "median_ttft_s": round(statistics.median(ttft), 2) if ttft else None,
+            "tokens": {rid: out.generated_tokens for rid, out in outputs.items()}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=10)
+    p.add_argument("--min-prompt", type=int, default=4096)
+    p.add_argument("--max-prompt", type=int, default=16384)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--mean-gap", type=float, default=4.0, help="mean engine steps between arrivals")
+    p.add_argument("--budget-mb", type=float, default=12.0, help="K/V bytes both engines may hold (MB)")
+    p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving.json"))
+    args = p.parse_args()
+
+    from kvtopo.config import Config
+    from kvtopo.models import zoo
+    from kvtopo.runtime.session import Session
+
+    torch.manual_seed(0)
+    model = zoo.build("llama")
+    per_token = kv_bytes_per_token(model)
+    budget = int(args.budget_mb * 1e6)
+    blocks = budget // (per_token * BLOCK)
+    if blocks * BLOCK < args.max_prompt + args.new_tokens:
+        raise SystemExit(f"--budget-mb {args.budget_mb} holds {blocks * BLOCK} tokens: not one request of "
+                         f"{args.max_prompt + args.new_tokens}; raise it")
+    plans = stream(args.requests, args.min_prompt, args.max_prompt, args.new_tokens, args.mean_gap,
+                   model.config.vocab_size, args.seed)
+    compressed = Config()
+    print(f"{args.requests} requests of {args.min_prompt}-{args.max_prompt} tokens + {args.new_tokens}; budget "
+          f"{budget / 1e6:.1f} MB = {blocks} blocks of {BLOCK} tokens ({per_token} B/token in the engine's cache)",
+          flush=True)
+
+    runs = {}
+    for name, session, num_blocks in (
+            ("transformers paged cache", None, blocks),
+            ("kvtopo lossless", Session(Config.lossless()), blocks),
+            (f"kvtopo Config() (target_ratio={compressed.target_ratio:g})", Session(compressed),
+             int(blocks * compressed.target_ratio))):
+        # The engine's own cache is allocated whole: it holds the budget from the start.
+        model = zoo.build("llama")
+        if session is None:
+            row = run_engine(model, plans, num_blocks, args.max_batch_tokens, kv_bytes=blocks * BLOCK * per_token)
+        else:
+            with session:
+                row = run_engine(model, plans, num_blocks, args.max_batch_tokens, session=session)
+        row["engine_blocks"] = num_blocks
+        row["within_budget"] = row["peak_kv_bytes"] <= budget
+        runs[name] = row
+        print(f"  {name:42s} peak concurrent {row['peak_concurrent']:3d}   {row['decode_tokens_per_s']:8.2f} tok/s   "
+              f"median TTFT {row['median_ttft_s']} s   peak KV {row['peak_kv_bytes'] / 1e6:7.2f} MB "
+              f"({'within' if row['within_budget'] else 'OVER'} budget)", flush=True)
+
+    own, lossless = runs["transformers paged cache"], runs["kvtopo lossless"]
+    same = own["tokens"] == lossless["tokens"]
+    print(f"lossless tokens equal the engine's own: {same}")
+    result = {"model": "zoo llama (float32, CPU)", "args": vars(args), "budget_bytes": budget,
+              "lossless_tokens_equal": same,
+              "runs": {name: {k: v for k, v in row.items() if k != "tokens"} for name, row in runs.items()}}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
