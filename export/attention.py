@@ -19,6 +19,12 @@ Per layer, the cache tensors (see export/layout.py for capacities; batch 1):
     key_vectors [Hkv, dk, R], key_mean [Hkv, dk], value_vectors [Hkv, dv, R], value_mean [Hkv, dv]
 and lengths [3] int64: valid tokens in (exact, recent, mid). Rows past a length are ignored.
 
+An unprojected Mid (KIVI-style codes, `CacheLayout.mid_projected` False) has no bases
+(`BASIS_TENSORS` absent) and holds the tokens' own channels: mid_k_codes [Hkv, M, dk/(8/mb)] with
+mid_k_scale / mid_k_offset [Hkv, Mp, dk] per Mid page and channel, mid_v_codes [Hkv, M, dv/(8/mb)]
+with mid_v_scale / mid_v_offset [Hkv, M] per row. It is dequantized in the graph and attended
+densely, masked by the Mid length.
+
 MLA layers (`shared_value_dim` r set) cache what the session caches for them: one kv-head whose
 key is [latent ; RoPE key] and whose value is the latent, i.e. the key's first r dims. The value
 tensors (`VALUE_TENSORS`) are then absent and every segment reads its values from its keys: exact
@@ -44,6 +50,9 @@ from .compressor import unpack_codes
 VALUE_TENSORS = ("exact_v", "recent_v_codes", "recent_v_scale", "recent_v_offset", "mid_v_codes", "mid_v_scale",
                  "mid_v_offset", "value_vectors", "value_mean")
 
+# Absent when Mid is not projected (codes of the tokens' own channels).
+BASIS_TENSORS = ("key_vectors", "key_mean", "value_vectors", "value_mean")
+
 
 @dataclass
 class LayerCacheTensors:
@@ -68,17 +77,19 @@ class LayerCacheTensors:
     value_mean: Tensor
 
     @classmethod
-    def names(cls, shared_values: bool = False) -> list[str]:
-        """Graph-input order of one layer's tensors (without the value tensors when shared)."""
-        return [f.name for f in fields(cls) if not (shared_values and f.name in VALUE_TENSORS)]
+    def names(cls, shared_values: bool = False, projected: bool = True) -> list[str]:
+        """Graph-input order of one layer's tensors (without the value tensors when shared, without
+        the bases when Mid is not projected)."""
+        return [f.name for f in fields(cls) if not (shared_values and f.name in VALUE_TENSORS)
+                and not (not projected and f.name in BASIS_TENSORS)]
 
     @classmethod
-    def from_flat(cls, tensors, shared_values: bool = False) -> "LayerCacheTensors":
-        given = dict(zip(cls.names(shared_values), tensors, strict=True))
+    def from_flat(cls, tensors, shared_values: bool = False, projected: bool = True) -> "LayerCacheTensors":
+        given = dict(zip(cls.names(shared_values, projected), tensors, strict=True))
         return cls(**{n: given.get(n) for n in cls.names()})
 
     def as_tuple(self) -> tuple[Tensor, ...]:
-        return tuple(getattr(self, n) for n in self.names(self.exact_v is None))
+        return tuple(getattr(self, n) for n in self.names(self.exact_v is None, self.key_vectors is not None))
 
 
 # The functions below are kernels.compressed_attention's partial_dense / _softmax_lse /
@@ -125,10 +136,25 @@ def dequantize_recent(c: LayerCacheTensors, page_size: int, bits: int,
     keys = (c.recent_k_offset[:, :, None] + kc * c.recent_k_scale[:, :, None]).reshape(heads, rows, dk)
     if shared_value_dim:
         return keys, keys[..., :shared_value_dim]
-    dv = c.exact_v.shape[-1]
-    vc = unpack_codes(c.recent_v_codes, bits)[..., :dv]
-    values = c.recent_v_offset[..., None] + vc * c.recent_v_scale[..., None]
-    return keys, values
+    return keys, dequantize_rows(c.recent_v_codes, c.recent_v_scale, c.recent_v_offset, bits, c.exact_v.shape[-1])
+
+
+def dequantize_rows(codes: Tensor, scale: Tensor, offset: Tensor, bits: int, dim: int) -> Tensor:
+    """Packed codes [Hkv, N, dim/(8/bits)] with one statistics pair per row ([Hkv, N]) -> [Hkv, N, dim]."""
+    return offset[..., None] + unpack_codes(codes, bits)[..., :dim] * scale[..., None]
+
+
+def dequantize_paged(codes: Tensor, scale: Tensor, offset: Tensor, row_page: Tensor, bits: int, dim: int) -> Tensor:
+    """Packed Mid codes [Hkv, M, dim/(8/bits)] with statistics per page and column ([Hkv, Mp, dim],
+    row i using page row_page[i]) -> [Hkv, M, dim]."""
+    return offset[:, row_page] + unpack_codes(codes, bits)[..., :dim] * scale[:, row_page]
+
+
+def dequantize_mid_unprojected(c: LayerCacheTensors, bits: int) -> tuple[Tensor, Tensor]:
+    """An unprojected Mid's keys (statistics per page and channel) and values (per row),
+    [Hkv, M, dk] and [Hkv, M, dv]."""
+    keys = dequantize_paged(c.mid_k_codes, c.mid_k_scale, c.mid_k_offset, c.mid_row_page, bits, c.exact_k.shape[-1])
+    return keys, dequantize_rows(c.mid_v_codes, c.mid_v_scale, c.mid_v_offset, bits, c.exact_v.shape[-1])
 
 
 def partial_lowrank_masked(q: Tensor, coeff_k: Tensor, key_vectors: Tensor, key_mean: Tensor, coeff_v: Tensor,
@@ -165,18 +191,28 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, c: LayerCach
     parts = [partial_dense(q, c.exact_k, exact_v, scale, _valid(c.exact_k.shape[1], lengths[0], t, dev))]
     rk, rv = dequantize_recent(c, page_size, recent_bits, r)
     parts.append(partial_dense(q, rk, rv, scale, _valid(rk.shape[1], lengths[1], t, dev)))
-    page = c.mid_row_page
-    rank = c.key_vectors.shape[-1]
-    ck = c.mid_k_offset[:, page] + unpack_codes(c.mid_k_codes, mid_bits)[..., :rank] * c.mid_k_scale[:, page]
+    if c.key_vectors is None:  # unprojected Mid: dequantized keys and values, attended densely
+        mk, mv = dequantize_mid_unprojected(c, mid_bits)
+        parts.append(partial_dense(q, mk, mv, scale, _valid(mk.shape[1], lengths[2], t, dev)))
+    else:
+        parts.append(_partial_mid_projected(q, c, lengths[2], scale, mid_bits, r))
+    parts.append(partial_dense(q, k, v, scale, chunk_causal_mask(0, t, device=dev)))
+    return merge_partials(parts).to(q.dtype)[None]
+
+
+def _partial_mid_projected(q: Tensor, c: LayerCacheTensors, length: Tensor, scale: float, mid_bits: int,
+                           r: int | None) -> tuple[Tensor, Tensor]:
+    """The projected Mid's partial, in the compressed domain (values from the keys' coefficients
+    against the first r key-direction rows when r is set: MLA)."""
+    page, rank = c.mid_row_page, c.key_vectors.shape[-1]
+    ck = dequantize_paged(c.mid_k_codes, c.mid_k_scale, c.mid_k_offset, page, mid_bits, rank)
     if r:
         cv, value_vectors, value_mean = ck, c.key_vectors[:, :r], c.key_mean[:, :r]
     else:
-        cv = c.mid_v_offset[:, page] + unpack_codes(c.mid_v_codes, mid_bits)[..., :rank] * c.mid_v_scale[:, page]
+        cv = dequantize_paged(c.mid_v_codes, c.mid_v_scale, c.mid_v_offset, page, mid_bits, rank)
         value_vectors, value_mean = c.value_vectors, c.value_mean
-    parts.append(partial_lowrank_masked(q, ck, c.key_vectors, c.key_mean, cv, value_vectors, value_mean,
-                                        scale, _valid(ck.shape[1], lengths[2], t, dev)))
-    parts.append(partial_dense(q, k, v, scale, chunk_causal_mask(0, t, device=dev)))
-    return merge_partials(parts).to(q.dtype)[None]
+    return partial_lowrank_masked(q, ck, c.key_vectors, c.key_mean, cv, value_vectors, value_mean, scale,
+                                  _valid(ck.shape[1], length, q.shape[1], q.device))
 
 
 def absorbed_mla_inputs(query: Tensor, latent: Tensor, rope_key: Tensor, kv_up_weight: Tensor, nope_dim: int):

@@ -29,6 +29,10 @@ Outputs:
     uint8, key_scale / key_offset [Hkv, R] f32 (float16-exact values when key_stats_f16),
     value_codes, value_scale, value_offset likewise, stats_f16 bool [2] (keys, values).
 
+An unprojected Mid (`CacheLayout.mid_projected` False) uses `UnprojectedPageCompressor`: steps
+1-2, then step 4 on the kept tokens' own channels for keys and per token and head for values
+(KIVI-style, as `runtime.codecs.MidSegment` without bases); no basis inputs.
+
 MLA layers (values = the keys' leading latent dims, stored once with the keys, as
 `runtime.codecs.MidSegment` with `shared_value_dim`) use `SharedValuePageCompressor`: the same
 graph without the value inputs and outputs (stats_f16 is [1]).
@@ -73,20 +77,41 @@ def quantize_columns(x: Tensor, valid: Tensor, bits: int) -> tuple[Tensor, Tenso
     Returns float codes [H, P, R] (0 on invalid rows), scale and offset [H, R] and whether the
     statistics are float16.
     """
-    levels = float((1 << bits) - 1)
     rows = valid[None, :, None]
     lo = torch.where(rows, x, torch.full_like(x, float("inf"))).amin(1)
     hi = torch.where(rows, x, torch.full_like(x, -float("inf"))).amax(1)
+    offset, scale, use16 = _statistics(lo, hi, bits)
+    return _codes(x, rows, offset[:, None], scale[:, None], bits), scale, offset, use16
+
+
+def quantize_rows(x: Tensor, valid: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`kernels.quant.quantize(x[:, valid], bits, reduce_dim=-1)`: one statistics pair per row of
+    x [H, P, D] (a token of a head). Returns float codes [H, P, D], scale and offset [H, P] (0 on
+    invalid rows, which take no part in the float16 decision) and whether they are float16."""
+    rows = valid[None, :, None]
+    x = torch.where(rows, x, torch.zeros_like(x))  # an invalid row: range 0, statistics 0 (float16-exact)
+    offset, scale, use16 = _statistics(x.amin(-1), x.amax(-1), bits)
+    return _codes(x, rows, offset[..., None], scale[..., None], bits), scale, offset, use16
+
+
+def _statistics(lo: Tensor, hi: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`kernels.quant`'s offset and scale of slices with range [lo, hi]: float16 values rounded
+    down/up, or float32 for every slice when float16 widens one by more than SCALE_TOLERANCE."""
+    levels = float((1 << bits) - 1)
     offset16 = round_toward_f16(lo, -1.0)
     scale16 = round_toward_f16((hi - offset16) / levels, 1.0)
     ideal = (hi - lo) / levels
     use16 = (scale16 <= ideal * (1 + SCALE_TOLERANCE)).all()
-    offset = torch.where(use16, offset16, lo)
-    scale = torch.where(use16, scale16, ideal)
+    return torch.where(use16, offset16, lo), torch.where(use16, scale16, ideal), use16
+
+
+def _codes(x: Tensor, rows: Tensor, offset: Tensor, scale: Tensor, bits: int) -> Tensor:
+    """Round-half-even codes of x on the grid offset + code * scale, clamped to the levels; 0 off `rows`."""
+    levels = float((1 << bits) - 1)
     step = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round((x - offset[:, None]) / step[:, None])
+    codes = torch.round((x - offset) / step)
     codes = torch.minimum(torch.relu(codes), torch.full_like(codes, levels))  # clamp(0, levels)
-    return torch.where(rows, codes, torch.zeros_like(codes)), scale, offset, use16
+    return torch.where(rows, codes, torch.zeros_like(codes))
 
 
 def descending_ranks(scores: Tensor) -> Tensor:
@@ -108,6 +133,11 @@ def select_kept(scores: Tensor, keep: Tensor) -> Tensor:
     slot = kept.long().cumsum(-1) - 1
     onehot = kept[:, None, :] & (slot[:, None, :] == idx[None, :, None])  # [H, slot, token]
     return (onehot.long() * idx).sum(-1)
+
+
+def gather_rows(x: Tensor, kept: Tensor) -> Tensor:
+    """Rows kept [H, P] of x [H, P, D], per head."""
+    return x.gather(1, kept[..., None].expand(-1, -1, x.shape[-1]))
 
 
 class PageCompressor(nn.Module):
@@ -136,9 +166,34 @@ class PageCompressor(nn.Module):
         return select_kept(scores, keep), torch.arange(keys.shape[1], device=keys.device) < keep
 
     def _code(self, x, kept, valid, vectors, mean):
-        rows = x.gather(1, kept[..., None].expand(-1, -1, x.shape[-1]))
+        rows = gather_rows(x, kept)
         codes, scale, offset, f16 = quantize_columns((rows - mean[:, None]) @ vectors, valid, self.bits)
         return pack_codes(codes, self.bits), scale, offset, f16
+
+
+class UnprojectedPageCompressor(PageCompressor):
+    """The Mid-page encoder of an unprojected Mid (topo without key/value energy, or kivi): the
+    same exp-free selection, then KIVI-style codes of the kept tokens' own channels, as
+    `runtime.codecs.MidSegment` codes them: keys per channel over the page's kept tokens
+    (key_scale / key_offset [Hkv, dk]), values per token and head (value_scale / value_offset
+    [Hkv, P], 0 past `keep`). Codes are packed along the channels (a last byte zero-padded), so
+    key_codes is [Hkv, P, ceil(dk / (8 / bits))]. No bases."""
+
+    INPUTS = ("keys", "values", "queries", "num_queries", "keep", "scale")
+    OUTPUTS = PageCompressor.OUTPUTS
+
+    def forward(self, keys, values, queries, num_queries, keep, scale):
+        kept, valid = self._select(keys, queries, num_queries, keep, scale)
+        ck, k_scale, k_offset, k16 = quantize_columns(gather_rows(keys, kept), valid, self.bits)
+        cv, v_scale, v_offset, v16 = quantize_rows(gather_rows(values, kept), valid, self.bits)
+        return (kept, self._pack(ck), k_scale, k_offset, self._pack(cv), v_scale, v_offset,
+                torch.stack([k16, v16]))
+
+    def _pack(self, codes):
+        pad = -codes.shape[-1] % (8 // self.bits)
+        if pad:  # as kernels.quant.pack: zero codes fill the last byte
+            codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], pad)], dim=-1)
+        return pack_codes(codes, self.bits)
 
 
 class SharedValuePageCompressor(PageCompressor):
@@ -151,3 +206,11 @@ class SharedValuePageCompressor(PageCompressor):
         kept, valid = self._select(keys, queries, num_queries, keep, scale)
         ck, k_scale, k_offset, k16 = self._code(keys, kept, valid, key_vectors, key_mean)
         return kept, ck, k_scale, k_offset, k16[None]
+
+
+def compressor_class(layout) -> type[PageCompressor]:
+    """The page compressor a layout's Mid needs: projected (per kv-head bases, or keys only for
+    MLA) or unprojected (KIVI-style codes of the tokens' channels)."""
+    if not layout.mid_projected:
+        return UnprojectedPageCompressor
+    return SharedValuePageCompressor if layout.shared_value_dim else PageCompressor

@@ -11,7 +11,8 @@ cached_attention` over that layer's cache tensors (so the exported graphs contai
 ops, no kvtopo domain) and returns, besides the logits, each layer's new keys/values and queries
 for the host to append and to keep as the observation window:
 
-    forward(input_ids [1, T], position_ids [1, T], lengths [L, 3], cache: tuple of L * 19 tensors)
+    forward(input_ids [1, T], position_ids [1, T], lengths [L, 3], cache: tuple of L * 19 tensors
+            (15 without bases when Mid is not projected))
       -> (logits [1, T, V], new_k: L x [Hkv, T, dk], new_v: L x [Hkv, T, dv], queries: L x [Hq, T, d])
 
 `torch.ops.kvtopo.mla_attention` nodes (DeepSeek-V2/V3) become the same cached attention as the
@@ -173,9 +174,9 @@ class DecodeStep(nn.Module):
                 raise ValueError(f"cannot export: graph input {node.name!r} is a {type(example).__name__}")
 
     def forward(self, input_ids, position_ids, lengths, cache):
-        shared = bool(self.layout.shared_value_dim)
-        per = len(LayerCacheTensors.names(shared))
-        layers = [LayerCacheTensors.from_flat(cache[i * per:(i + 1) * per], shared)
+        flags = (bool(self.layout.shared_value_dim), self.layout.mid_projected)
+        per = len(LayerCacheTensors.names(*flags))
+        layers = [LayerCacheTensors.from_flat(cache[i * per:(i + 1) * per], *flags)
                   for i in range(self.layout.num_layers)]
         binding = _Binding(self, lengths, layers)
         args = []
@@ -288,8 +289,13 @@ def layout_for(model: nn.Module, captured: Captured, config: Config, max_context
                              vocab_size=model.config.vocab_size, **shapes[0])
 
 
+def layer_tensor_names(layout: CacheLayout) -> list[str]:
+    """One layer's cache tensors in graph-input order (MLA: no value tensors; unprojected Mid: no bases)."""
+    return LayerCacheTensors.names(bool(layout.shared_value_dim), layout.mid_projected)
+
+
 def cache_shapes(layout: CacheLayout) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Shape and dtype of each per-layer cache tensor (LayerCacheTensors order; MLA: no value tensors)."""
+    """Shape and dtype of each per-layer cache tensor (`layer_tensor_names` order)."""
     h, dk, dv, P = layout.kv_heads, layout.head_dim, layout.value_head_dim, layout.page_size
     rpb, mpb = 8 // layout.recent_code_bits, 8 // layout.mid_code_bits
     C, M, Mp, R = layout.recent_capacity, layout.mid_capacity, layout.mid_page_capacity, layout.rank_capacity
@@ -305,7 +311,11 @@ def cache_shapes(layout: CacheLayout) -> dict[str, tuple[tuple[int, ...], torch.
         "key_vectors": ((h, dk, R), f), "key_mean": ((h, dk), f),
         "value_vectors": ((h, dv, R), f), "value_mean": ((h, dv), f),
     }
-    return {name: shapes[name] for name in LayerCacheTensors.names(bool(layout.shared_value_dim))}
+    if not layout.mid_projected:  # codes of the tokens' channels: keys per page and channel, values per row
+        shapes.update({"mid_k_codes": ((h, M, -(-dk // mpb)), u8), "mid_k_scale": ((h, Mp, dk), f),
+                       "mid_k_offset": ((h, Mp, dk), f), "mid_v_codes": ((h, M, -(-dv // mpb)), u8),
+                       "mid_v_scale": ((h, M), f), "mid_v_offset": ((h, M), f)})
+    return {name: shapes[name] for name in layer_tensor_names(layout)}
 
 
 def empty_cache(layout: CacheLayout) -> list[torch.Tensor]:
@@ -320,7 +330,7 @@ def empty_cache(layout: CacheLayout) -> list[torch.Tensor]:
 def input_names(layout: CacheLayout) -> list[str]:
     names = ["input_ids", "position_ids", "lengths"]
     for i in range(layout.num_layers):
-        names += [f"{n}_{i}" for n in LayerCacheTensors.names(bool(layout.shared_value_dim))]
+        names += [f"{n}_{i}" for n in layer_tensor_names(layout)]
     return names
 
 

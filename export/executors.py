@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .compressor import PageCompressor, SharedValuePageCompressor
+from .compressor import compressor_class
 from .decode_step import input_names, output_names
 from .layout import CacheLayout
 
@@ -41,7 +41,7 @@ def graph_signature(layout: CacheLayout, graph: str) -> tuple[list[str], list[st
     if graph == "decode_step":
         return input_names(layout), output_names(layout)
     if graph == "compressor":
-        cls = SharedValuePageCompressor if layout.shared_value_dim else PageCompressor
+        cls = compressor_class(layout)
         return list(cls.INPUTS), list(cls.OUTPUTS)
     raise ValueError(f"unknown graph {graph!r}; the export has {GRAPHS}")
 

@@ -12,7 +12,9 @@ modules. `HostRunner` keeps the cache on the host and drives both through an exe
   runs; each layer here implements only its hooks over host tensors, counting the same bytes;
 * Recent pages are encoded on the host with `runtime.codecs.encode_recent` (the same int8 code as
   the session; a per-page min/max, cheap on any host CPU);
-* Mid pages go through the exported compressor graph (score, select, project, quantize);
+* Mid pages go through the exported compressor graph (score, select, project, quantize; or,
+  unprojected, KIVI-style codes with key statistics per page and channel and value statistics per
+  row, held in [Hkv, M] buffers);
 * principal directions are fitted on the host with `runtime.codecs.fit_bases` (an SVD: not a
   graph an NPU toolchain wants), once per layer, on the same tokens and at the same moment as
   the session (when the first page is about to reach Mid, on everything held plus the chunk).
@@ -49,6 +51,8 @@ from kvtopo.runtime.lifecycle import Lifecycle, PageState, SequenceState
 from kvtopo.runtime.phases import Phase
 from kvtopo.runtime.policies import make_policy
 
+from .attention import BASIS_TENSORS
+from .decode_step import cache_shapes
 from .executors import open_executor
 from .layout import CacheLayout
 
@@ -72,22 +76,15 @@ class _Layer(Lifecycle):
         self.scale = lay.scales[index]
         self.seq = SequenceState()
         self.mid_code_bytes = 0  # packed code bytes of keys + values
-        self.mid_stat_pages = 0  # pages that kept rows (one statistics row each, per side)
+        self.mid_stats = [0, 0]  # (scale, offset) pairs held (keys, values): per page and direction/channel, or per row
         self.mid_f32 = [False, False]  # a page needed float32 statistics (keys, values)
         self.block_table_len = 0
-        h, R, M, Mp = lay.kv_heads, lay.rank_capacity, lay.mid_capacity, lay.mid_page_capacity
-        width = R // (8 // lay.mid_code_bits)
-        f = self.r.float_dtype  # float32, or float16 under the "npu" profile
-        self.mid = {
-            "mid_k_codes": np.zeros((h, M, width), np.uint8), "mid_k_scale": np.zeros((h, Mp, R), f),
-            "mid_k_offset": np.zeros((h, Mp, R), f), "mid_row_page": np.zeros((M,), np.int64),
-        }
-        self.bases = {"key_vectors": np.zeros((h, lay.head_dim, R), f), "key_mean": np.zeros((h, lay.head_dim), f)}
-        if not self.shared:
-            self.mid.update({"mid_v_codes": np.zeros((h, M, width), np.uint8), "mid_v_scale": np.zeros((h, Mp, R), f),
-                             "mid_v_offset": np.zeros((h, Mp, R), f)})
-            self.bases.update({"value_vectors": np.zeros((h, lay.value_head_dim, R), f),
-                               "value_mean": np.zeros((h, lay.value_head_dim), f)})
+        # The decode step's Mid and basis inputs at their capacities (float32, or float16 under the
+        # "npu" profile); an unprojected Mid has no bases.
+        dtypes = {torch.float32: self.r.float_dtype, torch.uint8: np.uint8, torch.int64: np.int64}
+        shapes = cache_shapes(lay)
+        self.mid = {n: np.zeros(shape, dtypes[dt]) for n, (shape, dt) in shapes.items() if n.startswith("mid_")}
+        self.bases = {n: np.zeros(shape, dtypes[dt]) for n, (shape, dt) in shapes.items() if n in BASIS_TENSORS}
         self.mid_len = 0
         self.mid_pages = 0
         self.buffers = self._cache_buffers()
@@ -128,10 +125,8 @@ class _Layer(Lifecycle):
         seg = seq.mid
         if seg is None:
             return 0
-        coded = [b for b in (seg.key_bases, seg.value_bases) if b is not None]
-        bases = sum(b.nbytes for b in coded)
-        stats = sum(self.mid_stat_pages * 2 * sum(b.ranks) * (4 if self.mid_f32[side] else 2)
-                    for side, b in enumerate(coded))
+        bases = sum(b.nbytes for b in (seg.key_bases, seg.value_bases) if b is not None)
+        stats = sum(2 * count * (4 if f32 else 2) for count, f32 in zip(self.mid_stats, self.mid_f32))
         mid_pages = sum(p.kept is not None for p in seq.pages)
         return bases + self.mid_code_bytes + stats + (1 if self.shared else 2) * 4 * mid_pages
 
@@ -226,17 +221,26 @@ class _Layer(Lifecycle):
         rows, slot = slice(self.mid_len, self.mid_len + keep), self.mid_pages
         if rows.stop > lay.mid_capacity or slot >= lay.mid_page_capacity:
             raise RuntimeError(f"the exported Mid capacity ({lay.mid_capacity} tokens) is full: export with a larger max_context")
-        m = self.mid
-        for side in ("k", "v")[: 1 if self.shared else 2]:
+        m, per_byte = self.mid, 8 // lay.mid_code_bits
+        for index, side in enumerate(("k", "v")[: 1 if self.shared else 2]):
             name = "key" if side == "k" else "value"
             m[f"mid_{side}_codes"][:, rows] = out[f"{name}_codes"][:, :keep]
-            m[f"mid_{side}_scale"][:, slot], m[f"mid_{side}_offset"][:, slot] = out[f"{name}_scale"], out[f"{name}_offset"]
+            scale, offset = out[f"{name}_scale"], out[f"{name}_offset"]
+            if lay.mid_projected:  # per page and direction, each head's true rank
+                m[f"mid_{side}_scale"][:, slot], m[f"mid_{side}_offset"][:, slot] = scale, offset
+                ranks = sum((seq.mid.key_bases if side == "k" else seq.mid.value_bases).ranks)
+                self.mid_code_bytes += keep * -(-ranks // per_byte)
+                self.mid_stats[index] += ranks
+            else:  # KIVI-style: keys per page and channel, values per row
+                dim = lay.head_dim if side == "k" else lay.value_head_dim
+                if side == "k":
+                    m["mid_k_scale"][:, slot], m["mid_k_offset"][:, slot] = scale, offset
+                else:
+                    m["mid_v_scale"][:, rows], m["mid_v_offset"][:, rows] = scale[:, :keep], offset[:, :keep]
+                self.mid_code_bytes += keep * lay.kv_heads * -(-dim // per_byte)
+                self.mid_stats[index] += lay.kv_heads * (dim if side == "k" else keep)
         m["mid_row_page"][rows] = slot
         self.mid_len, self.mid_pages = rows.stop, slot + 1
-        per_byte = 8 // lay.mid_code_bits
-        coded = [b for b in (seq.mid.key_bases, seq.mid.value_bases) if b is not None]
-        self.mid_code_bytes += sum(keep * -(-sum(b.ranks) // per_byte) for b in coded)
-        self.mid_stat_pages += 1
         for side, f16 in enumerate(out["stats_f16"]):
             self.mid_f32[side] = self.mid_f32[side] or not bool(f16)
         return keep

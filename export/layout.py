@@ -10,6 +10,10 @@ Batch 1. Per layer (names `<tensor>_<layer index>` in the ONNX graph; see export
             maps a row to its page slot
   bases     key/value principal directions padded with zero columns to R = rank_capacity
             (head_dim rounded up to a multiple of 8 // mid_bits), and their means
+  An unprojected Mid (`mid_projected` False: the topo policy without key_energy/value_energy, or
+  `kivi`) stores the kept tokens' own channels as KIVI-style codes, as `runtime.codecs.MidSegment`
+  does: keys [Hkv, M, dk/(8/mb)] with statistics per Mid page and channel [Hkv, Mp, dk], values
+  [Hkv, M, dv/(8/mb)] with statistics per row [Hkv, M]; there are no bases.
   lengths   [layers, 3] int64: valid tokens in (exact, recent, mid) of each layer
 Rows past a length and padded columns are ignored by the graph (they may hold anything finite).
 
@@ -37,7 +41,7 @@ from kvtopo.config import Config
 from kvtopo.runtime.phases import Phase, PhasePlan
 from kvtopo.runtime.policies import make_policy
 
-SUPPORTED_POLICIES = ("topo", "full")
+SUPPORTED_POLICIES = ("topo", "full", "kivi")
 PROFILES = (None, "npu")
 NPU_TOKENS = 1  # tokens per decode-step call under the "npu" profile
 
@@ -52,14 +56,14 @@ def plan_of(config: Config) -> PhasePlan:
 
 
 def check_exportable(config: Config) -> None:
-    """The exported graphs implement the `topo` policy's encodings (and `full`, which has none)."""
+    """The exported graphs implement the `topo` policy's encodings, projected or not (and `full`,
+    which has none, and `kivi`, which is topo's unprojected codes without eviction)."""
     if config.policy not in SUPPORTED_POLICIES:
         raise NotImplementedError(f"export supports policies {SUPPORTED_POLICIES}, not {config.policy!r}")
     enc = make_policy(config).mid_encoding()
-    if not enc.identity and not (enc.project and enc.key_bits and enc.value_bits):
+    if not enc.identity and not (enc.key_bits and enc.value_bits):
         raise NotImplementedError(
-            f"export needs Mid pages projected and quantized (key_energy/value_energy and mid_bits set) or left exact; "
-            f"got {enc}")
+            f"export needs Mid pages quantized (mid_bits set; projected or not) or left exact; got {enc}")
     if enc.key_bits != enc.value_bits:
         raise NotImplementedError("export needs the same bit width for Mid keys and values")
 
@@ -88,6 +92,7 @@ class CacheLayout:
     config: dict = field(default_factory=dict)
     shared_value_dim: int | None = None  # MLA: values are the keys' first that many dims
     profile: str | None = None  # None (float32, dynamic token count) or "npu" (static, float16 boundary)
+    mid_projected: bool = True  # False: Mid holds KIVI-style codes of the tokens' channels, no bases
     tokens: int | None = None  # tokens per decode-step call when the graph fixes it (the "npu" profile)
 
     @property
@@ -129,6 +134,11 @@ class CacheLayout:
             | ({Phase.MID} if enc.identity else set())
         most_exact = max(sum(plan.phase(i, n) in exact_phases for i in range(n)) for n in range(1, pages + 1))
         mid_bits = enc.key_bits if not enc.identity else None
+        mid_projected = enc.identity or enc.project
+        if shared_value_dim is not None and not mid_projected:
+            raise NotImplementedError(
+                "export of MLA layers (values shared with the keys) needs a projected Mid (key_energy set) or an exact "
+                "one; unprojected Mid codes are exported for plain attention layers only")
         per_byte = 8 // (mid_bits or 4)
         return cls(
             num_layers=len(layer_names), layer_names=list(layer_names), scales=[float(s) for s in scales],
@@ -139,6 +149,7 @@ class CacheLayout:
             rank_capacity=-(-max(head_dim, value_head_dim) // per_byte) * per_byte,
             recent_bits=recent_bits, mid_bits=mid_bits, observation_window=config.observation_window,
             score_margin=float(config.score_margin), config=_config_dict(config), shared_value_dim=shared_value_dim,
+            mid_projected=mid_projected,
         )
 
     def to_json(self) -> str:

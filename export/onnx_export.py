@@ -14,7 +14,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from .compressor import PageCompressor, SharedValuePageCompressor
+from .compressor import PageCompressor, compressor_class
 from .decode_step import DecodeStep, capture, empty_cache, layout_for, profiled
 from .executors import graph_signature
 from .layout import NPU_TOKENS
@@ -60,8 +60,7 @@ def example_decode_args(layout, tokens: int = 8):
 
 
 def compressor_module(layout) -> PageCompressor:
-    cls = SharedValuePageCompressor if layout.shared_value_dim else PageCompressor
-    return cls(layout.mid_code_bits, layout.score_margin).eval()
+    return compressor_class(layout)(layout.mid_code_bits, layout.score_margin).eval()
 
 
 def example_compressor_args(layout, seed: int = 0):
@@ -79,7 +78,7 @@ def example_compressor_args(layout, seed: int = 0):
                 keep=torch.tensor(max(1, P // 2)), scale=torch.tensor(layout.scales[0]), key_vectors=key_vectors,
                 key_mean=torch.randn(h, dk, generator=g) * 0.1, value_vectors=value_vectors,
                 value_mean=torch.randn(h, dv, generator=g) * 0.1)
-    return tuple(args[name] for name in compressor_module(layout).INPUTS)
+    return tuple(args[name] for name in compressor_class(layout).INPUTS)
 
 
 def compressor_program(layout):

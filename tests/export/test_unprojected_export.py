@@ -1,0 +1,114 @@
+"""Export of an unprojected Mid (the topo policy with key_energy=None, value_energy=None, and
+`kivi`): KIVI-style codes of the kept tokens' channels, keys with statistics per page and
+channel, values per token and head, as `runtime.codecs.MidSegment` codes them. The exported
+compressor against the runtime's codes and statistics on random pages; onnxruntime and OpenVINO
+(HostRunner) against the PyTorch session, with and without a byte budget that evicts."""
+
+import onnx
+import pytest
+import torch
+
+from kvtopo.kernels.quant import unpack
+from kvtopo.models import zoo
+from kvtopo.runtime.codecs import MidSegment
+from kvtopo.runtime.layer_cache import best_tokens
+from kvtopo.runtime.policies import ScoreInputs, make_policy
+
+from export_common import CONFIG, assert_host_runner_matches_session, export_module, export_package
+
+PROMPT, NEW = 256, 32
+UNPROJECTED = CONFIG.replace(key_energy=None, value_energy=None)
+# Unprojected pages cost more than projected ones: at 22 KB per layer the zoo Llama's Mid pages are
+# kept whole, partly and not at all (24 KB, CONFIG's budget, keeps pages whole or drops them).
+CONFIGS = {"evicting": UNPROJECTED.replace(layer_budget_bytes=22000),
+           "no-budget": UNPROJECTED.replace(layer_budget_bytes=None)}
+HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+@pytest.mark.parametrize("which", list(CONFIGS))
+def test_unprojected_host_runner_matches_session(which, tmp_path):
+    config = CONFIGS[which]
+    model = zoo.build("llama")
+    paths = export_package().export_onnx(model, tmp_path, config=config, max_context=PROMPT + NEW)
+    layout = export_module("layout").CacheLayout.from_json(open(paths["layout"]).read())
+    assert not layout.mid_projected
+    inputs = {i.name for i in onnx.load(paths["decode_step"]).graph.input}
+    assert "mid_v_scale_0" in inputs and not [n for n in inputs if n.startswith(("key_", "value_"))]
+
+    for runner in assert_host_runner_matches_session(model, tmp_path, config, PROMPT, NEW).values():
+        pages = [p for layer in runner.layers for p in layer.pages]
+        assert {p.phase.value for p in pages} == {"initial", "mid", "recent", "terminal"}
+        kept = [p.kept for p in pages if p.kept is not None]
+        if which == "evicting":
+            assert 0 in kept and config.page_size in kept and any(0 < k < config.page_size for k in kept), kept
+        else:
+            assert set(kept) == {config.page_size}, kept
+        layer = runner.layers[0]
+        assert layer.mid_len > 0 and not layer.bases
+        # Value statistics per row: a row past the pages' kept tokens holds none.
+        assert (layer.mid["mid_v_scale"][:, : layer.mid_len] > 0).all()
+
+
+@pytest.fixture(scope="module")
+def unprojected_compressor(tmp_path_factory):
+    onnx_export = export_module("onnx_export")
+    layout = export_module("layout").CacheLayout.build(
+        UNPROJECTED, 256, layer_names=["l0"], scales=[0.25], heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM,
+        value_head_dim=DIM, vocab_size=32)
+    module, args, ep = onnx_export.compressor_program(layout)
+    path = tmp_path_factory.mktemp("compressor") / "compressor.onnx"
+    names_in, names_out = export_module("executors").graph_signature(layout, "compressor")
+    onnx_export._to_onnx(ep, args, path, names_in, names_out)
+    return layout, module, path
+
+
+def _runtime_codes(keys, values, queries, keep):
+    """What runtime.layer_cache does to a page entering an unprojected Mid: policy score, top-k,
+    MidSegment without bases -> kept [Hkv, keep], per-head codes and statistics."""
+    policy = make_policy(UNPROJECTED)
+    if keep < keys.shape[1]:
+        kept = best_tokens(policy.score(ScoreInputs(keys, values, queries.half(), 0.25)), keep)
+    else:
+        kept = torch.arange(keys.shape[1]).expand(keys.shape[0], -1)
+    segment = MidSegment(policy.mid_encoding(), None, None, torch.float32)
+    rows = lambda x: x.gather(1, kept[..., None].expand(-1, -1, DIM))  # noqa: E731
+    segment.append_page(rows(keys), rows(values))
+    k, v = segment.keys, segment.values
+    # Runtime rows are [n, Hkv, d]; statistics [1, Hkv, d] (keys) and [n, Hkv, 1] (values).
+    return (kept, unpack(k.rows, k.bits, DIM).transpose(0, 1), k.scale[0].float(), k.offset[0].float(),
+            unpack(v.rows, v.bits, DIM).transpose(0, 1), v.scale[..., 0].T.float(), v.offset[..., 0].T.float(),
+            [k.scale.dtype == torch.float16, v.scale.dtype == torch.float16])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_unprojected_compressor_matches_runtime(unprojected_compressor, seed):
+    import onnxruntime as ort
+
+    layout, module, path = unprojected_compressor
+    g = torch.Generator().manual_seed(seed)
+    P = layout.page_size
+    keys = torch.randn(KV_HEADS, P, DIM, generator=g) * 2 + torch.randn(KV_HEADS, 1, DIM, generator=g)
+    values = torch.randn(KV_HEADS, P, DIM, generator=g)
+    if seed == 2:  # narrow slices far from zero: float16 statistics would widen the scale, float32 instead
+        values = 5 + 0.03 * values
+    queries = (torch.randn(HEADS, layout.observation_window, DIM, generator=g) * 3).half().float()
+    keep = [1, 5, 9, 12, 15, P][seed]
+    feeds = {"keys": keys, "values": values, "queries": queries, "num_queries": torch.tensor(queries.shape[1]),
+             "keep": torch.tensor(keep), "scale": torch.tensor(0.25)}
+    out = ort.InferenceSession(str(path)).run(None, {k: v.numpy() for k, v in feeds.items()})
+    eager = [t.numpy() for t in module(*feeds.values())]
+    kept, k_codes, k_scale, k_offset, v_codes, v_scale, v_offset, f16 = _runtime_codes(keys, values, queries, keep)
+    if seed == 2:
+        assert f16 == [True, False]
+    if keep == 1:
+        assert f16[0] is False  # one row: range 0, float16 would round the offset away from it
+
+    for got in (out, eager):
+        t = [torch.from_numpy(x) for x in got]
+        assert torch.equal(t[0][:, :keep], kept)
+        assert torch.equal(unpack(t[1], 4, DIM)[:, :keep], k_codes) and torch.equal(t[2], k_scale)
+        assert torch.equal(t[3], k_offset)
+        assert torch.equal(unpack(t[4], 4, DIM)[:, :keep], v_codes)
+        assert torch.equal(t[5][:, :keep], v_scale) and torch.equal(t[6][:, :keep], v_offset)
+        assert (t[5][:, keep:] == 0).all() and (unpack(t[4], 4, DIM)[:, keep:] == 0).all()
+        assert t[7].tolist() == f16
