@@ -4,6 +4,7 @@ channel, values per token and head, as `runtime.codecs.MidSegment` codes them. T
 compressor against the runtime's codes and statistics on random pages; onnxruntime and OpenVINO
 (HostRunner) against the PyTorch session, with and without a byte budget that evicts."""
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -21,7 +22,9 @@ UNPROJECTED = CONFIG.replace(key_energy=None, value_energy=None)
 # Unprojected pages cost more than projected ones: at 22 KB per layer the zoo Llama's Mid pages are
 # kept whole, partly and not at all (24 KB, CONFIG's budget, keeps pages whole or drops them).
 CONFIGS = {"evicting": UNPROJECTED.replace(layer_budget_bytes=22000),
-           "no-budget": UNPROJECTED.replace(layer_budget_bytes=None)}
+           "no-budget": UNPROJECTED.replace(layer_budget_bytes=None),
+           # kivi: the same Mid codes, no eviction, Recent pages exact.
+           "kivi": CONFIG.replace(policy="kivi", layer_budget_bytes=None)}
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
 
@@ -38,6 +41,7 @@ def test_unprojected_host_runner_matches_session(which, tmp_path):
     for runner in assert_host_runner_matches_session(model, tmp_path, config, PROMPT, NEW).values():
         pages = [p for layer in runner.layers for p in layer.pages]
         assert {p.phase.value for p in pages} == {"initial", "mid", "recent", "terminal"}
+        assert any(p.recent is not None for p in pages) == (which != "kivi")
         kept = [p.kept for p in pages if p.kept is not None]
         if which == "evicting":
             assert 0 in kept and config.page_size in kept and any(0 < k < config.page_size for k in kept), kept
@@ -112,3 +116,23 @@ def test_unprojected_compressor_matches_runtime(unprojected_compressor, seed):
         assert torch.equal(t[5][:, :keep], v_scale) and torch.equal(t[6][:, :keep], v_offset)
         assert (t[5][:, keep:] == 0).all() and (unpack(t[4], 4, DIM)[:, keep:] == 0).all()
         assert t[7].tolist() == f16
+
+
+def test_unprojected_npu_profile_matches_session(tmp_path):
+    """The "npu" profile (static, float16 boundary, one token per call) with an unprojected Mid:
+    onnxruntime and OpenVINO give the float32 session's tokens (test_npu_profile's tolerance)."""
+    from test_npu_profile import LOGIT_TOLERANCE
+
+    from kvtopo.export.check import compare_with_session, session_reference
+
+    prompt, new = 64, 16
+    config = CONFIGS["no-budget"]
+    session_config = config.replace(refit_after=None, eviction_scope="page", prefill_chunk_size=1)
+    ids = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(1))
+    export_package().export_onnx(zoo.build("llama"), tmp_path, config=config, max_context=prompt + new, profile="npu")
+    reference = session_reference(zoo.build("llama"), ids, new, session_config)
+    for a in compare_with_session(None, tmp_path, ("onnxruntime", "openvino"), ids, new, reference=reference):
+        assert a.runner.config == session_config and a.runner.layers[0].mid_len > 0
+        assert a.runner.layers[0].mid["mid_v_scale"].dtype == np.float16
+        assert a.same_tokens and a.max_logit_error < LOGIT_TOLERANCE, a.describe()
+        assert a.bytes_held == reference[2], a.describe()
