@@ -150,10 +150,13 @@ def dequantize_paged(codes: Tensor, scale: Tensor, offset: Tensor, row_page: Ten
     return offset[:, row_page] + unpack_codes(codes, bits)[..., :dim] * scale[:, row_page]
 
 
-def dequantize_mid_unprojected(c: LayerCacheTensors, bits: int) -> tuple[Tensor, Tensor]:
-    """An unprojected Mid's keys (statistics per page and channel) and values (per row),
-    [Hkv, M, dk] and [Hkv, M, dv]."""
+def dequantize_mid_unprojected(c: LayerCacheTensors, bits: int, shared_value_dim: int | None = None
+                               ) -> tuple[Tensor, Tensor]:
+    """An unprojected Mid's keys (statistics per page and channel) and values (per row; the keys'
+    first `shared_value_dim` dims when set: MLA), [Hkv, M, dk] and [Hkv, M, dv]."""
     keys = dequantize_paged(c.mid_k_codes, c.mid_k_scale, c.mid_k_offset, c.mid_row_page, bits, c.exact_k.shape[-1])
+    if shared_value_dim:
+        return keys, keys[..., :shared_value_dim]
     return keys, dequantize_rows(c.mid_v_codes, c.mid_v_scale, c.mid_v_offset, bits, c.exact_v.shape[-1])
 
 
@@ -192,7 +195,7 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, c: LayerCach
     rk, rv = dequantize_recent(c, page_size, recent_bits, r)
     parts.append(partial_dense(q, rk, rv, scale, _valid(rk.shape[1], lengths[1], t, dev)))
     if c.key_vectors is None:  # unprojected Mid: dequantized keys and values, attended densely
-        mk, mv = dequantize_mid_unprojected(c, mid_bits)
+        mk, mv = dequantize_mid_unprojected(c, mid_bits, r)
         parts.append(partial_dense(q, mk, mv, scale, _valid(mk.shape[1], lengths[2], t, dev)))
     else:
         parts.append(_partial_mid_projected(q, c, lengths[2], scale, mid_bits, r))

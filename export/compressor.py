@@ -184,10 +184,13 @@ class UnprojectedPageCompressor(PageCompressor):
 
     def forward(self, keys, values, queries, num_queries, keep, scale):
         kept, valid = self._select(keys, queries, num_queries, keep, scale)
-        ck, k_scale, k_offset, k16 = quantize_columns(gather_rows(keys, kept), valid, self.bits)
+        ck, k_scale, k_offset, k16 = self._code_keys(keys, kept, valid)
         cv, v_scale, v_offset, v16 = quantize_rows(gather_rows(values, kept), valid, self.bits)
-        return (kept, self._pack(ck), k_scale, k_offset, self._pack(cv), v_scale, v_offset,
-                torch.stack([k16, v16]))
+        return kept, ck, k_scale, k_offset, self._pack(cv), v_scale, v_offset, torch.stack([k16, v16])
+
+    def _code_keys(self, keys, kept, valid):
+        codes, scale, offset, f16 = quantize_columns(gather_rows(keys, kept), valid, self.bits)
+        return self._pack(codes), scale, offset, f16
 
     def _pack(self, codes):
         pad = -codes.shape[-1] % (8 // self.bits)
@@ -208,9 +211,22 @@ class SharedValuePageCompressor(PageCompressor):
         return kept, ck, k_scale, k_offset, k16[None]
 
 
+class SharedValueUnprojectedPageCompressor(UnprojectedPageCompressor):
+    """The unprojected Mid-page encoder for MLA layers: only the keys ([latent ; RoPE key]) are
+    coded, per channel; the values are their leading dims."""
+
+    INPUTS = ("keys", "queries", "num_queries", "keep", "scale")
+    OUTPUTS = SharedValuePageCompressor.OUTPUTS
+
+    def forward(self, keys, queries, num_queries, keep, scale):
+        kept, valid = self._select(keys, queries, num_queries, keep, scale)
+        ck, k_scale, k_offset, k16 = self._code_keys(keys, kept, valid)
+        return kept, ck, k_scale, k_offset, k16[None]
+
+
 def compressor_class(layout) -> type[PageCompressor]:
-    """The page compressor a layout's Mid needs: projected (per kv-head bases, or keys only for
-    MLA) or unprojected (KIVI-style codes of the tokens' channels)."""
+    """The page compressor a layout's Mid needs: projected (per kv-head bases) or unprojected
+    (KIVI-style codes of the tokens' channels), keys only for MLA layers."""
     if not layout.mid_projected:
-        return UnprojectedPageCompressor
+        return SharedValueUnprojectedPageCompressor if layout.shared_value_dim else UnprojectedPageCompressor
     return SharedValuePageCompressor if layout.shared_value_dim else PageCompressor

@@ -135,10 +135,6 @@ class CacheLayout:
         most_exact = max(sum(plan.phase(i, n) in exact_phases for i in range(n)) for n in range(1, pages + 1))
         mid_bits = enc.key_bits if not enc.identity else None
         mid_projected = enc.identity or enc.project
-        if shared_value_dim is not None and not mid_projected:
-            raise NotImplementedError(
-                "export of MLA layers (values shared with the keys) needs a projected Mid (key_energy set) or an exact "
-                "one; unprojected Mid codes are exported for plain attention layers only")
         per_byte = 8 // (mid_bits or 4)
         return cls(
             num_layers=len(layer_names), layer_names=list(layer_names), scales=[float(s) for s in scales],

@@ -53,6 +53,20 @@ def test_unprojected_host_runner_matches_session(which, tmp_path):
         assert (layer.mid["mid_v_scale"][:, : layer.mid_len] > 0).all()
 
 
+def test_unprojected_mla_host_runner_matches_session(tmp_path):
+    """DeepSeek-V3 (MLA): the latent + RoPE key coded per channel, values read from the codes."""
+    config = UNPROJECTED.replace(layer_budget_bytes=22000)  # pages kept whole, partly and not at all
+    model = zoo.build("deepseek-v3")
+    paths = export_package().export_onnx(model, tmp_path, config=config, max_context=PROMPT + NEW)
+    inputs = {i.name for i in onnx.load(paths["decode_step"]).graph.input}
+    assert "mid_k_codes_0" in inputs and not [n for n in inputs if n.startswith(("mid_v", "key_", "value_"))]
+    # onnxruntime only (OpenVINO runs the same ops in the Llama cases above), to keep the test short.
+    for runner in assert_host_runner_matches_session(model, tmp_path, config, PROMPT, NEW,
+                                                     runtimes=("onnxruntime",)).values():
+        kept = [p.kept for layer in runner.layers for p in layer.pages if p.kept is not None]
+        assert 0 in kept and config.page_size in kept and any(0 < k < config.page_size for k in kept), kept
+
+
 @pytest.fixture(scope="module")
 def unprojected_compressor(tmp_path_factory):
     onnx_export = export_module("onnx_export")
