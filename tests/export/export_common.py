@@ -24,6 +24,19 @@ CONFIG = Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=Non
                 prefill_chunk_size=64)
 
 
+def export_compressor(config: Config, out_dir, heads: int = 4, kv_heads: int = 2, dim: int = 16):
+    """The page compressor alone, for a one-layer layout of `config` (scale 0.25, max_context 256),
+    written to out_dir/compressor.onnx: -> (layout, the module, the file's path)."""
+    onnx_export = export_module("onnx_export")
+    layout = export_module("layout").CacheLayout.build(
+        config, 256, layer_names=["l0"], scales=[0.25], heads=heads, kv_heads=kv_heads, head_dim=dim,
+        value_head_dim=dim, vocab_size=32)
+    module, args, ep = onnx_export.compressor_program(layout)
+    path = out_dir / "compressor.onnx"
+    onnx_export._to_onnx(ep, args, path, *export_module("executors").graph_signature(layout, "compressor"))
+    return layout, module, path
+
+
 # The runtimes that execute the ONNX files (the MLIR runs on IREE: test_iree.py).
 ONNX_RUNTIMES = ("onnxruntime", "openvino")
 

@@ -15,8 +15,8 @@ from kvtopo.runtime.layer_cache import best_tokens
 from kvtopo.export.host_runner import HostRunner
 from kvtopo.runtime.policies import ScoreInputs, make_policy
 
-from export_common import (CONFIG, assert_host_runner_matches_session, assert_openvino_supports_every_op, export_module,
-                           export_package)
+from export_common import (CONFIG, assert_host_runner_matches_session, assert_openvino_supports_every_op,
+                           export_compressor, export_module, export_package)
 
 EXPONENTIAL_OPS = {"Exp", "Softmax", "LogSoftmax", "Sigmoid", "Tanh", "Erf"}
 PROMPT, NEW = 256, 32
@@ -73,14 +73,7 @@ def assert_every_phase_and_partial_eviction(runner):
 
 @pytest.fixture(scope="module")
 def compressor_file(tmp_path_factory):
-    onnx_export = export_module("onnx_export")
-    layout = export_module("layout").CacheLayout.build(
-        CONFIG, 256, layer_names=["l0"], scales=[0.25], heads=4, kv_heads=2, head_dim=16, value_head_dim=16,
-        vocab_size=32)
-    out = tmp_path_factory.mktemp("compressor")
-    module, args, ep = onnx_export.compressor_program(layout)
-    onnx_export._to_onnx(ep, args, out / "compressor.onnx", onnx_export.COMPRESSOR_INPUTS, onnx_export.COMPRESSOR_OUTPUTS)
-    return layout, module, out / "compressor.onnx"
+    return export_compressor(CONFIG, tmp_path_factory.mktemp("compressor"))
 
 
 def _runtime_compress(keys, values, queries, keep, scale, kb, vb):

@@ -15,7 +15,7 @@ from kvtopo.runtime.codecs import MidSegment
 from kvtopo.runtime.layer_cache import best_tokens
 from kvtopo.runtime.policies import ScoreInputs, make_policy
 
-from export_common import CONFIG, assert_host_runner_matches_session, export_module, export_package
+from export_common import CONFIG, assert_host_runner_matches_session, export_compressor, export_module, export_package
 
 PROMPT, NEW = 256, 32
 UNPROJECTED = CONFIG.replace(key_energy=None, value_energy=None)
@@ -69,15 +69,7 @@ def test_unprojected_mla_host_runner_matches_session(tmp_path):
 
 @pytest.fixture(scope="module")
 def unprojected_compressor(tmp_path_factory):
-    onnx_export = export_module("onnx_export")
-    layout = export_module("layout").CacheLayout.build(
-        UNPROJECTED, 256, layer_names=["l0"], scales=[0.25], heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM,
-        value_head_dim=DIM, vocab_size=32)
-    module, args, ep = onnx_export.compressor_program(layout)
-    path = tmp_path_factory.mktemp("compressor") / "compressor.onnx"
-    names_in, names_out = export_module("executors").graph_signature(layout, "compressor")
-    onnx_export._to_onnx(ep, args, path, names_in, names_out)
-    return layout, module, path
+    return export_compressor(UNPROJECTED, tmp_path_factory.mktemp("compressor"), HEADS, KV_HEADS, DIM)
 
 
 def _runtime_codes(keys, values, queries, keep):
