@@ -131,16 +131,9 @@ class Session:
         _check_chunk_mask(layer, attn_mask, is_causal, window, valid, batch, chunk)
         if model_key is not None:
             layer = f"{self.model_name(model_key)}/{layer}"
-        cache = self.layers.get(layer)
-        if cache is None:
-            cache = self.layers[layer] = self._new_layer(shared_value_dim, window)
-        elif cache.shared_value_dim != shared_value_dim or cache.window != window:
-            raise ValueError(f"layer {layer!r} was cached with shared_value_dim={cache.shared_value_dim}, "
-                             f"window={cache.window}; now called with {shared_value_dim}, {window}")
-        cache.scale = scale
+        cache = self._layer_cache(layer, scale, shared_value_dim, window)
         if shared_value_dim:
             value = key[..., :shared_value_dim]
-        self.calls += 1
 
         out = query.new_zeros(*query.shape[:-1], value.shape[-1])
         for b in range(batch):
@@ -165,17 +158,26 @@ class Session:
         and leave with `release`. `attend` (batch row b = sequence b) is for one fixed batch."""
         if not self.active:
             raise RuntimeError("kvtopo session used after it was closed")
-        cache = self.layers.get(layer)
-        if cache is None:
-            cache = self.layers[layer] = self._new_layer(None, None)
-        cache.scale = scale
-        self.calls += 1
+        cache = self._layer_cache(layer, scale, None, None)
         return self._attend_one(cache, seq, query, key, value, scale, softcap, sinks)
 
     def release(self, seq: int) -> None:
         """Forget sequence `seq` in every layer: its pool slots go back to each layer's free list."""
         for cache in self.layers.values():
             cache.release(seq)
+
+    def _layer_cache(self, layer: str, scale: float, shared_value_dim: int | None, window: int | None) -> LayerCache:
+        """The store of `layer` for this call (made on first use; a layer keeps the value sharing
+        and window it was made with), counting the call."""
+        cache = self.layers.get(layer)
+        if cache is None:
+            cache = self.layers[layer] = self._new_layer(shared_value_dim, window)
+        elif cache.shared_value_dim != shared_value_dim or cache.window != window:
+            raise ValueError(f"layer {layer!r} was cached with shared_value_dim={cache.shared_value_dim}, "
+                             f"window={cache.window}; now called with {shared_value_dim}, {window}")
+        cache.scale = scale
+        self.calls += 1
+        return cache
 
     def _new_layer(self, shared_value_dim: int | None, window: int | None) -> LayerCache:
         """A layer's store. A windowed layer only ever needs its last `window` tokens, so it keeps
@@ -252,7 +254,6 @@ class Session:
             first = next(iter(self.layers.values()))
             tokens = [first.length(s) for s in self._sequence_ids(first)]
         return CacheStats(sum(per_layer.values()), per_layer, per_kind, tuple(tokens), fp16, missed, held)
-
 
     def _sequence_ids(self, cache: LayerCache):
         """The sequences stats() reports: batch rows 0..B-1, or (sequences added through
