@@ -52,15 +52,18 @@ class Config:
     `sink_tokens` tokens and any page overlapping `protected_spans` ((start, end) token ranges,
     e.g. a system prompt) stay exact; the `recent_tokens` behind the page being written are
     stored in `recent_bits` (None = exact); older pages are Mid.
-    Mid (topo): each kv-head keeps the principal directions holding `key_energy` /
-    `value_energy` of its keys'/values' energy (None = no projection), coefficients in
-    `mid_bits` bits (None = floats); tokens are evicted by the exp-free score of the latest
+    Mid (topo): tokens are stored in `mid_bits` bits (None = floats), keys per channel and
+    values per token; `key_energy` / `value_energy` (default None: no projection) instead keep
+    only the principal directions holding that fraction of each kv-head's keys'/values'
+    energy. Projection pays on low-rank heads (MLA latents); on a pretrained model's nearly
+    full-rank heads dropping even 10% of a value's energy destroys copied tokens
+    (bench/needle_configs.py), so it is opt-in. Tokens are evicted by the exp-free score of the latest
     `observation_window` queries (`score_margin` logits) when needed to meet the budget (a
     kv-head shared by more than 8 query heads, e.g. MLA's latent, keeps proportionally fewer
     query positions, at least one).
-    RoPE turns keys as positions grow, so the bases fitted on the first prefill chunk hold
-    less of later keys' energy: past `refit_after` tokens, topo refits them each time the
-    sequence doubles (a new Mid epoch; older epochs keep their bases). None: fit once.
+    With projection, RoPE turns keys as positions grow, so bases fitted on the first prefill
+    chunk hold less of later keys' energy: past `refit_after` tokens, topo refits them each
+    time the sequence doubles (a new Mid epoch; older epochs keep their bases). None: fit once.
     Budget: `target_ratio` (bytes vs an fp16 cache of the same tokens) and/or
     `layer_budget_bytes` (per sequence and layer); when even evicting a whole page cannot meet
     it, `over_budget` says whether to keep going ("evict": evict what can be, report the miss
@@ -81,8 +84,8 @@ class Config:
     protected_spans: tuple[tuple[int, int], ...] = ()
     recent_bits: int | None = 8
     mid_bits: int | None = 4
-    key_energy: float | None = 0.9
-    value_energy: float | None = 0.9
+    key_energy: float | None = None
+    value_energy: float | None = None
     observation_window: int = 32
     score_margin: float = 4.0
     refit_after: int | None = 2048
