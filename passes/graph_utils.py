@@ -8,6 +8,7 @@ import re
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .site import AttentionSite, NotAttention, Refusal
 
@@ -139,9 +140,12 @@ def ancestor_nodes(roots, limit: int | None = None) -> set[fx.Node]:
 def model_key(graph: fx.Graph) -> fx.Node | None:
     """The graph's first parameter input: the kvtopo ops take it so that a session can tell
     which model a call belongs to at run time (Dynamo reuses one compiled graph for every
-    instance of a module class, so a name fixed at compile time could not)."""
+    instance of a module class, so a name fixed at compile time could not). A tensor-subclass
+    parameter (a tensor-parallel DTensor) is passed over: mixed with the op's plain local
+    activations it would send the op through DTensor dispatch."""
     return next((n for n in graph.nodes if n.op == "placeholder" and _weight_placeholder(n)
-                 and isinstance(n.meta.get("example_value"), torch.nn.Parameter)), None)
+                 and isinstance(n.meta.get("example_value"), torch.nn.Parameter)
+                 and not is_traceable_wrapper_subclass(n.meta["example_value"])), None)
 
 
 class ActivationSources:
