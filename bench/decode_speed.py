@@ -19,16 +19,16 @@ one the same decode query and new token are timed through:
                     (exact pages + new token, int8 Recent, packed Mid codes) and runs the CPU
                     path (fused C kernel over the Mid codes), end to end per layer.
 
-Configs: "default" = kvtopo.Config() (topo, target 8x vs fp16, 4-bit Mid, 0.9 energy, bases
-refitted as the sequence doubles) and "8x" = Config(mid_bits=8, key_energy=0.97,
-value_energy=0.97, refit_after=None), which lands near 8x vs fp16 on this data (the default
-compresses further: its ranks at 0.9 energy are smaller). "8x" fits its bases once; "8x_refits"
-is the same with refits on (the Config default): each Mid epoch a refit adds is one more pass
-of the C kernel per step. "4bit_unprojected" = Config(key_energy=None, value_energy=None): the
-default without projection, Mid keys/values as 4-bit KIVI-style codes (keys per channel per
-page, values per token), read by the same C kernel on an identity basis; it is also timed as
-"4bit_unprojected_torch", the same step with its Mid segment dequantized and attended by torch
-(`MidSegment.attention_inputs`, the path unprojected Mid took before the kernel read it), and
+Configs: "default" = kvtopo.Config() (topo, target 8x vs fp16, Mid as 4-bit KIVI-style codes:
+keys per channel per page, values per token, read by the C kernel on an identity basis);
+"projected" = Config(key_energy=0.9, value_energy=0.9) (directional pruning, opt-in: 4-bit
+coefficients at 0.9 energy, bases refitted as the sequence doubles; the default before
+projection became opt-in, measured as "default" in results from before that); "8x" =
+Config(mid_bits=8, key_energy=0.97, value_energy=0.97, refit_after=None), which lands near 8x
+vs fp16 on this data; "8x_refits" is the same with refits on: each Mid epoch a refit adds is one
+more pass of the C kernel per step. "default" is also timed as "default_torch", the same step
+with its Mid segment dequantized and attended by torch (`MidSegment.attention_inputs`, the path
+unprojected Mid took before the kernel read it), and
 its summary gives the kernel's speedup over that. The measured
 ratio vs fp16 and the bytes held are reported per length.
 
@@ -63,12 +63,12 @@ HQ, HKV, D = 32, 8, 128
 SCALE = D**-0.5
 CONFIGS = {
     "default": kvtopo.Config(),
+    "projected": kvtopo.Config(key_energy=0.9, value_energy=0.9),
     "8x": kvtopo.Config(mid_bits=8, key_energy=0.97, value_energy=0.97, refit_after=None),
     "8x_refits": kvtopo.Config(mid_bits=8, key_energy=0.97, value_energy=0.97),
-    "4bit_unprojected": kvtopo.Config(key_energy=None, value_energy=None),
 }
 # Configs also timed with their Mid segment dequantized and attended by torch ("<name>_torch").
-TORCH_MID = ("4bit_unprojected",)
+TORCH_MID = ("default",)
 LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
 QUICK = [1024, 2048, 4096]
 
@@ -293,8 +293,10 @@ def plot(rows: list[dict], path: Path) -> None:
         panels.append(("cpu_median_ms", "CPU time of the thread, median ms"))
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     for ax, (key, label) in zip(axes[0], panels):
-        for m, style in (("dense_fp32", "o-"), ("dense_bf16", "s-"), ("default", "^-"), ("8x", "v-"), ("8x_refits", "x--"),
-                         ("4bit_unprojected", "d-")):
+        for m, style in (("dense_fp32", "o-"), ("dense_bf16", "s-"), ("default", "^-"), ("projected", "d-"), ("8x", "v-"),
+                         ("8x_refits", "x--")):
+            if m not in rows[0]:  # results from before the config existed
+                continue
             name = m if m.startswith("dense") else f"kvtopo {m} (~{rows[-1][m]['ratio_vs_fp16']:.0f}x vs fp16)"
             ax.plot(tokens, [r[m][key] for r in rows], style, label=name)
         ax.set_xscale("log", base=2)

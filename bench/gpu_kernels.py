@@ -9,7 +9,8 @@ bf16 tokens (a sink page, the Terminal page, the new token), 2 int8 Recent pages
 and a projected Mid segment of 92% of the remaining tokens in full 32-row pages (the kept
 fraction topo's eviction leaves at 8x on bench/decode_speed.py's data), for two codings:
   "8x":      ranks 22 per kv-head, 8-bit codes  (Config(mid_bits=8, key/value_energy=0.97))
-  "default": ranks 14 per kv-head, 4-bit codes  (Config())
+  "projected": ranks 14 per kv-head, 4-bit codes  (Config(key_energy=0.9, value_energy=0.9); the
+             default coding until projection became opt-in, named "default" in results from then)
 Every sequence of a batch has its own data (no cache sharing between sequences).
 
 Methods, timed with CUDA events (median of --reps after warm-up):
@@ -39,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 HQ, HKV, D, PAGE = 32, 8, 128, 32
-CODINGS = {"8x": (22, 8), "default": (14, 4)}
+CODINGS = {"8x": (22, 8), "projected": (14, 4)}
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_kernels.json"
 
 

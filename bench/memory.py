@@ -75,9 +75,11 @@ recorded under ``structure``), per kv-head:
   diffuse), max-minus-median logit ~13; never per policy. At 32K/128K the sink's share falls
   and the (more numerous) heavy hitters' grows; the measured shares are in ``structure``.
 
-Matched bytes ("at the same bytes"): topo runs at its Config defaults (8x budget; Mid projected
-at 0.9 energy, 4-bit; Recent 8-bit), plus the same with its bases fitted once
-(``refit_after=None``, every length) and a curve over ``target_ratio`` (``TOPO_CURVE``). Each
+Matched bytes ("at the same bytes"): topo runs at its Config defaults (8x budget; Mid 4-bit
+codes, no projection; Recent 8-bit), plus the same budget with directional pruning
+(``PROJECTED``: Mid projected at 0.9 energy, bases refitted as the sequence doubles, and fitted
+once with ``refit_after=None``; every length) and a curve over ``target_ratio``
+(``TOPO_CURVE``). Each
 baseline runs at its defaults (``Config(policy=name)``) and with its knob tuned so its total
 bytes match topo's at that length:
 * snapkv/h2o/knorm: ``target_ratio``, secant steps on log(bytes) until within ``MATCH_TOL``;
@@ -496,6 +498,7 @@ def match_energy(inputs, name, target, reference, log) -> tuple[dict, dict]:
 PALU_STEPS = 6
 SUBSET_FROM = 65536  # lengths from here run the subset (see measure_length) unless --full-128k
 TOPO_CURVE = (3.0, 5.0, 12.0, 16.0)  # topo's other budgets, for the bytes-error curve
+PROJECTED = dict(key_energy=0.9, value_energy=0.9)  # topo with directional pruning
 DECODE_QUERIES = 32
 
 
@@ -514,10 +517,12 @@ def measure_length(n: int, decode: int, policies: tuple[str, ...], match: bool, 
     topo = run(inputs, _defaults("topo"), reference)
     out["runs"]["topo"] = {"default": topo | {"knob": {}}, "curve": []}
     log(_row(n, "topo", "default", topo))
-    # What refitting the bases as the sequence doubles buys: the default with one fit.
-    single_fit = run(inputs, _defaults("topo", refit_after=None), reference)
-    out["runs"]["topo"]["no_refits"] = single_fit | {"knob": {"refit_after": None}}
-    log(_row(n, "topo", "refit_after=None", single_fit))
+    # Directional pruning (opt-in) under the same budget, with the bases refitted as the sequence
+    # doubles and with one fit (what refitting buys).
+    for key, knob in (("projected", PROJECTED), ("projected_no_refits", {**PROJECTED, "refit_after": None})):
+        point = run(inputs, _defaults("topo", **knob), reference)
+        out["runs"]["topo"][key] = point | {"knob": knob}
+        log(_row(n, "topo", " ".join(f"{k}={v}" for k, v in knob.items()), point))
     for ratio in TOPO_CURVE if curve and not subset else ():
         point = run(inputs, _defaults("topo", target_ratio=ratio), reference)
         out["runs"]["topo"]["curve"].append(point | {"knob": {"target_ratio": ratio}})

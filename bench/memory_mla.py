@@ -66,6 +66,7 @@ def run(tokens: int, queries: int, log=print) -> list[dict]:
     configs = {
         "latent, lossless (fp16)": kvtopo.Config.lossless(page_size=32),
         "latent + topo default": kvtopo.Config(),
+        "latent + topo, projected at 0.9 energy": kvtopo.Config(key_energy=0.9, value_energy=0.9),
         "latent + topo 8-bit, 0.99 energy": kvtopo.Config(mid_bits=8, key_energy=0.99, target_ratio=None),
     }
     for name, config in configs.items():

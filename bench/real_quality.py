@@ -48,8 +48,8 @@ Greedy answers stop at the model's eos (``<|im_end|>``) or the question's token 
 Policies and ratios: kvtopo's ``full``, ``topo``, ``snapkv``, ``h2o``, ``knorm``, ``streaming``,
 ``kivi``, ``palu`` at nominal 2 / 4 / 8 / 16x, each nominal ratio mapped to a Config exactly as
 ``bench/quality.py`` does (``quality.plan_configs``: a ratio budget for the evicting policies,
-topo's coding per ratio from ``quality.TOPO_CODING``, kivi's bits, palu's energy calibrated per
-length on prose). Lifecycle windows are ``kvtopo.Config()``'s defaults (what a user gets); only
+kivi's bits, palu's energy calibrated per length on prose), except topo's Mid coding, which is
+``kvtopo.Config()``'s at every ratio (4-bit codes, no projection). Lifecycle windows are ``kvtopo.Config()``'s defaults (what a user gets); only
 ``prefill_chunk_size`` is raised so that a prompt is one chunk. Every cell reports the achieved
 ``ratio`` = ``stats().ratio_vs_fp16`` (fp16 bytes of the tokens over every byte the session
 holds, metadata and free pool slots included) and ``kept`` = the tokens still held (any form)
@@ -578,7 +578,8 @@ def main(argv=None) -> dict:
     plans, skipped = {}, []
     for length in lengths:
         calibration = torch.tensor([prompts.text_window(CALIBRATION_SEED, length)])
-        plans[length], skip = quality.plan_configs(args.policies, args.ratios, length, model, calibration)
+        plans[length], skip = quality.plan_configs(args.policies, args.ratios, length, model, calibration,
+                                                  topo_coding=lambda ratio: {})
         skipped += skip
     seconds["plan"] = time.perf_counter() - t0
     for s in skipped:

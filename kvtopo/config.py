@@ -9,6 +9,7 @@ from dataclasses import dataclass
 OVER_BUDGET = ("evict", "raise")
 EVICTION_SCOPES = ("append", "page")
 BITS = (2, 4, 8)
+PALU_ENERGY = 0.9  # the energy palu keeps when none is given
 
 
 def _require(ok: bool, field: str, value, allowed: str) -> None:
@@ -73,6 +74,7 @@ class Config:
     the latest queries need keep more tokens (with the whole prompt in one chunk this is
     SnapKV's global selection, made when the question has been seen); "page" gives each page
     its tokens' share of the room and ranks its tokens alone (what exported graphs do).
+    `policy="palu"` projects without codes; its energies default to 0.9 when neither is set.
     `max_pages`: per-layer limit of the exact page pool (None: grow). A full pool raises.
     `prefill_chunk_size`: prompt tokens per forward in `kvtopo.generate`.
     """
@@ -129,6 +131,10 @@ class Config:
             for name in ("target_ratio", "layer_budget_bytes"):
                 _require(getattr(self, name) is None, name, getattr(self, name),
                          "None with policy 'full' (it keeps every token exactly; use Config.lossless())")
+        if self.policy == "palu" and self.key_energy is None and self.value_energy is None:
+            # Projection is palu's whole method: unset energies mean its usual 0.9, not "none".
+            object.__setattr__(self, "key_energy", PALU_ENERGY)
+            object.__setattr__(self, "value_energy", PALU_ENERGY)
 
     @classmethod
     def lossless(cls, **overrides) -> "Config":

@@ -98,6 +98,7 @@ def test_fallback_equals_c_kernel(bits, monkeypatch):
 
 POLICIES = {
     "topo": dict(target_ratio=None),
+    "topo-projected": dict(target_ratio=None, key_energy=0.9, value_energy=0.9),
     "topo-evict": dict(target_ratio=4.0),
     "kivi": dict(policy="kivi", target_ratio=None),
     "palu": dict(policy="palu", target_ratio=None),

@@ -123,7 +123,8 @@ def test_attend_cache_softcap_equals_session_reference():
     hkv, hq, d, n, cap = 2, 8, 32, 400, 20.0
     k = torch.randn(hkv, n, d) @ torch.randn(d, d) * 0.3 + 1.0
     v = torch.randn(hkv, n, d) @ torch.randn(d, d) * 0.3
-    cfg = kvtopo.Config(page_size=8, sink_tokens=8, recent_tokens=16, target_ratio=None)
+    cfg = kvtopo.Config(page_size=8, sink_tokens=8, recent_tokens=16, target_ratio=None,
+                        key_energy=0.9, value_energy=0.9)
     with kvtopo.session(cfg) as s:
         s.attend("l", torch.randn(1, hq, n, d), k[None], v[None], None, d**-0.5, softcap=cap)
         cache = s.layers["l"]

@@ -211,7 +211,8 @@ def test_matches_runtime_store(chunks):
     k = torch.randn(hkv, n, d) @ torch.randn(d, d) * 0.3
     v = torch.randn(hkv, n, d)
     q_all = torch.randn(1, hq, n, d)
-    cfg = kvtopo.Config(page_size=8, sink_tokens=8, recent_tokens=16, target_ratio=None, refit_after=64)
+    cfg = kvtopo.Config(page_size=8, sink_tokens=8, recent_tokens=16, target_ratio=None, refit_after=64,
+                        key_energy=0.9, value_energy=0.9)
     with kvtopo.session(cfg) as s:
         start = 0
         for size in chunks:

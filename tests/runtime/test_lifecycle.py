@@ -152,7 +152,8 @@ def test_topo_refits_its_bases_each_time_the_sequence_doubles():
     """Past `refit_after` tokens a new Mid epoch with its own bases starts each time the length
     doubles; every epoch is attended (session and fast decode path) exactly as its
     decompressed K/V, and its bytes are counted."""
-    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=None, refit_after=128)
+    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=None, refit_after=128,
+                           key_energy=0.9, value_energy=0.9)
     n, chunk = 1024, 64
     k, v = _structured_kv(n, heads=2, dim=16)
     q = torch.randn(1, 4, n, 16, generator=torch.Generator().manual_seed(2))
@@ -262,9 +263,11 @@ def _kept_per_page(config, chunks, n=1024, dim=32, with_segment=False):
 def test_pages_one_chunk_pushes_into_mid_share_the_budget_by_tokens():
     """Under eviction_scope="page", one long chunk pushes its pages into Mid one by one; judged
     at the chunk's end length they get equal room, instead of the first ones losing everything
-    to the exact pages."""
+    to the exact pages. (Projected: unprojected 4-bit pages of 16 tokens x 32 dims cost too
+    much per page for any to keep a token at 8x.)"""
     config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0,
-                           over_budget="raise", observation_window=4, eviction_scope="page")
+                           over_budget="raise", observation_window=4, eviction_scope="page",
+                           key_energy=0.9, value_energy=0.9)
     kept, stats = _kept_per_page(config, [1024])
     assert 0 < min(kept) and max(kept) - min(kept) <= 1, kept
     assert not stats.budget_missed

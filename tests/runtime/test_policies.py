@@ -94,7 +94,14 @@ def test_every_baseline_is_registered_and_constructs_with_defaults():
 
 def test_palu_refuses_a_half_projection():
     with pytest.raises(ValueError, match="key_energy"):
-        make_policy(Config(policy="palu", value_energy=None))
+        make_policy(Config(policy="palu", key_energy=0.8))
+
+
+def test_palu_projects_at_its_own_default_energy_where_topo_does_not_project():
+    assert (Config(policy="palu").key_energy, Config(policy="palu").value_energy) == (0.9, 0.9)
+    assert make_policy(Config(policy="palu")).mid_encoding().project
+    assert not make_policy(Config()).mid_encoding().project
+    assert make_policy(Config(key_energy=0.9, value_energy=0.9)).mid_encoding().project
 
 
 def test_what_each_baseline_encodes():
@@ -115,7 +122,6 @@ def test_what_each_baseline_encodes():
     ("h2o", dict(target_ratio=None)),
     ("knorm", dict(target_ratio=None)),
     ("kivi", dict(mid_bits=None)),
-    ("palu", dict(key_energy=None, value_energy=None)),
     ("streaming", dict(sink_tokens=0, recent_tokens=4096)),  # the window covers everything
 ])
 def test_output_is_exact_attention_when_nothing_is_dropped_or_encoded(name, fields):
