@@ -1,12 +1,13 @@
 """Attention of one step's queries over a compressed cache given as explicit tensors.
 
 This is what replaces each `torch.ops.kvtopo.attention` node in the exported decode step. It
-computes what `runtime.session.Session._attend_one` computes, from fixed-capacity buffers:
-one partial per segment (exact pages, Recent int8 pages, Mid coefficient pages, the new chunk
-with its causal mask), each masked to its valid length, merged by one exact log-sum-exp
-(`kernels.compressed_attention.merge_partials`). Mid is attended in the compressed domain: q is
-projected onto the kept key directions, dotted with the dequantized coefficients, and the
-probability-weighted value coefficients are projected back once.
+computes what `runtime.session.Session._attend_one` computes, from fixed-capacity buffers: one
+softmax over the dense segments (exact pages, dequantized Recent int8 pages, an unprojected Mid's
+dequantized codes, the new chunk with its causal mask) concatenated, each masked to its valid
+length. A projected Mid is attended in the compressed domain (q projected onto the kept key
+directions, dotted with the dequantized coefficients, the probability-weighted value coefficients
+projected back once) and merged with the dense part by one exact log-sum-exp
+(`kernels.compressed_attention.merge_partials`).
 
 Per layer, the cache tensors (see export/layout.py for capacities; batch 1):
     exact_k [Hkv, E, dk], exact_v [Hkv, E, dv]                   float32
@@ -190,17 +191,26 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, c: LayerCach
         v = k[..., :r]
     t = q.shape[1]
     dev = q.device
-    exact_v = c.exact_k[..., :r] if r else c.exact_v
-    parts = [partial_dense(q, c.exact_k, exact_v, scale, _valid(c.exact_k.shape[1], lengths[0], t, dev))]
+    # The dense segments (exact, Recent, an unprojected Mid, the chunk) are one softmax over their
+    # concatenation, each masked to its length: the same function as a partial per segment merged
+    # by log-sum-exp, in ~110 fewer graph nodes per layer (SmolLM2's decode step: 7,964 -> 4,539),
+    # which onnxruntime runs one by one.
     rk, rv = dequantize_recent(c, page_size, recent_bits, r)
-    parts.append(partial_dense(q, rk, rv, scale, _valid(rk.shape[1], lengths[1], t, dev)))
-    if c.key_vectors is None:  # unprojected Mid: dequantized keys and values, attended densely
+    keys = [c.exact_k, rk]
+    values = [c.exact_k[..., :r] if r else c.exact_v, rv]
+    masks = [_valid(c.exact_k.shape[1], lengths[0], t, dev), _valid(rk.shape[1], lengths[1], t, dev)]
+    mid = None
+    if c.key_vectors is None:  # unprojected Mid: dequantized keys and values
         mk, mv = dequantize_mid_unprojected(c, mid_bits, r)
-        parts.append(partial_dense(q, mk, mv, scale, _valid(mk.shape[1], lengths[2], t, dev)))
-    else:
-        parts.append(_partial_mid_projected(q, c, lengths[2], scale, mid_bits, r))
-    parts.append(partial_dense(q, k, v, scale, chunk_causal_mask(0, t, device=dev)))
-    return merge_partials(parts).to(q.dtype)[None]
+        keys, values = keys + [mk], values + [mv]
+        masks.append(_valid(mk.shape[1], lengths[2], t, dev))
+    else:  # projected Mid: attended in the compressed domain, merged by log-sum-exp
+        mid = _partial_mid_projected(q, c, lengths[2], scale, mid_bits, r)
+    keys, values = torch.cat(keys + [k], dim=1), torch.cat(values + [v], dim=1)
+    masks.append(chunk_causal_mask(0, t, device=dev))
+    dense = partial_dense(q, keys, values, scale, torch.cat(masks, dim=-1))
+    out = dense[0] if mid is None else merge_partials([dense, mid])
+    return out.to(q.dtype)[None]
 
 
 def _partial_mid_projected(q: Tensor, c: LayerCacheTensors, length: Tensor, scale: float, mid_bits: int,

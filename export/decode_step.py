@@ -318,6 +318,17 @@ def cache_shapes(layout: CacheLayout) -> dict[str, tuple[tuple[int, ...], torch.
     return {name: shapes[name] for name in layer_tensor_names(layout)}
 
 
+def mid_axes(layout: CacheLayout) -> dict[str, tuple[int, str]]:
+    """The axis of each Mid tensor that counts Mid rows ("rows", capacity M) or Mid pages
+    ("pages", capacity Mp): the axes a `layout.mid_valid_only` decode step takes at the length held."""
+    axes = {"mid_k_codes": (1, "rows"), "mid_v_codes": (1, "rows"), "mid_row_page": (0, "rows"),
+            "mid_k_scale": (1, "pages"), "mid_k_offset": (1, "pages")}
+    value_stats = "pages" if layout.mid_projected else "rows"  # unprojected values: statistics per row
+    axes.update({"mid_v_scale": (1, value_stats), "mid_v_offset": (1, value_stats)})
+    names = layer_tensor_names(layout)
+    return {name: axis for name, axis in axes.items() if name in names}
+
+
 def empty_cache(layout: CacheLayout) -> list[torch.Tensor]:
     """Zero-filled cache tensors for every layer, flattened in graph-input order."""
     shapes = cache_shapes(layout)

@@ -83,20 +83,22 @@ class OnnxRuntimeExecutor:
                          for g, p in _files(Path(export_dir), "onnx", "export_onnx").items()}
         self.bindings = {g: s.io_binding() for g, s in self.sessions.items()}
         self.bound: dict[str, dict[str, np.ndarray]] = {g: {} for g in self.sessions}  # name -> array bound
+        self.ports = {g: ([i.name for i in s.get_inputs()], [o.name for o in s.get_outputs()])
+                      for g, s in self.sessions.items()}
 
     def run(self, graph, inputs):
         session, binding, bound = self.sessions[graph], self.bindings[graph], self.bound[graph]
-        for port in session.get_inputs():
-            array = inputs[port.name]
-            if bound.get(port.name) is not array:
+        names_in, names_out = self.ports[graph]
+        for name in names_in:
+            array = inputs[name]
+            if bound.get(name) is not array:
                 # Keep the array itself: the bound OrtValue reads its memory.
-                bound[port.name] = array if array.flags.c_contiguous else np.ascontiguousarray(array)
-                binding.bind_ortvalue_input(port.name, self._ort_value(bound[port.name]))
-        names = [o.name for o in session.get_outputs()]
-        for name in names:  # fresh outputs each run: their shapes follow the token count
+                bound[name] = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+                binding.bind_ortvalue_input(name, self._ort_value(bound[name]))
+        for name in names_out:  # fresh outputs each run: their shapes follow the token count
             binding.bind_output(name, "cpu")
         session.run_with_iobinding(binding)
-        return dict(zip(names, binding.copy_outputs_to_cpu()))
+        return dict(zip(names_out, binding.copy_outputs_to_cpu()))
 
 
 class OpenVinoExecutor:

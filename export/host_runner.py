@@ -52,7 +52,7 @@ from kvtopo.runtime.phases import Phase
 from kvtopo.runtime.policies import make_policy
 
 from .attention import BASIS_TENSORS
-from .decode_step import cache_shapes
+from .decode_step import cache_shapes, mid_axes
 from .executors import open_executor
 from .layout import CacheLayout
 
@@ -87,6 +87,7 @@ class _Layer(Lifecycle):
         self.bases = {n: np.zeros(shape, dtypes[dt]) for n, (shape, dt) in shapes.items() if n in BASIS_TENSORS}
         self.mid_len = 0
         self.mid_pages = 0
+        self.mid_fed: dict[str, np.ndarray] | None = None  # what the decode step last took of `mid`
         self.buffers = self._cache_buffers()
         self.stale = True  # pages moved since the buffers were last filled
         self.last_page_row = self.recent_rows = 0
@@ -241,6 +242,7 @@ class _Layer(Lifecycle):
                 self.mid_stats[index] += lay.kv_heads * (dim if side == "k" else keep)
         m["mid_row_page"][rows] = slot
         self.mid_len, self.mid_pages = rows.stop, slot + 1
+        self.mid_fed = None
         for side, f16 in enumerate(out["stats_f16"]):
             self.mid_f32[side] = self.mid_f32[side] or not bool(f16)
         return keep
@@ -287,13 +289,26 @@ class _Layer(Lifecycle):
         self.recent_rows = len(recent) * P
         self.stale = False
 
+    def _mid_inputs(self) -> dict[str, np.ndarray]:
+        """The Mid buffers as the decode step takes them: at capacity, or (`layout.mid_valid_only`)
+        contiguous copies of the rows and pages held (at least 2 of each: the export traced the
+        axes as sizes >= 2; the extra rows are masked by the Mid length). Remade only when a page
+        enters Mid, so between transitions the same arrays are fed."""
+        if self.mid_fed is None:
+            self.mid_fed = self.mid
+            if self.r.layout.mid_valid_only:
+                held = {"rows": max(2, self.mid_len), "pages": max(2, self.mid_pages)}
+                self.mid_fed = {name: np.ascontiguousarray(self.mid[name][(slice(None),) * axis + (slice(held[kind]),)])
+                                for name, (axis, kind) in mid_axes(self.r.layout).items()}
+        return self.mid_fed
+
     def feeds(self) -> tuple[dict[str, np.ndarray], tuple[int, int, int]]:
-        """The decode step's cache inputs of this layer (the same arrays every step, updated in
-        place) and its (exact, recent, mid) lengths."""
+        """The decode step's cache inputs of this layer (the same arrays from step to step, updated
+        in place or remade when pages move) and its (exact, recent, mid) lengths."""
         if self.stale:
             self._refill()
         exact = self.last_page_row + (self.seq.pages[-1].tokens if self.seq.pages else 0)
-        return {**self.mid, **self.bases, **self.buffers}, (exact, self.recent_rows, self.mid_len)
+        return {**self._mid_inputs(), **self.bases, **self.buffers}, (exact, self.recent_rows, self.mid_len)
 
 
 class HostRunner:

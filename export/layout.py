@@ -16,6 +16,9 @@ Batch 1. Per layer (names `<tensor>_<layer index>` in the ONNX graph; see export
   [Hkv, M, dv/(8/mb)] with statistics per row [Hkv, M]; there are no bases.
   lengths   [layers, 3] int64: valid tokens in (exact, recent, mid) of each layer
 Rows past a length and padded columns are ignored by the graph (they may hold anything finite).
+`mid_valid_only` (the ONNX export's default profile): the decode step's Mid tensors have dynamic
+rows and pages axes (`decode_step.mid_axes`) and the host feeds only the rows and pages held, so
+the step's Mid work follows the Mid length instead of max_context; the capacities above bound them.
 
 Profiles (`profile`): None, the default, is float32 throughout with a dynamic token count in the
 ONNX decode step. "npu" is a fully static export for NPU compilers: batch 1, `tokens` (1) new
@@ -94,6 +97,7 @@ class CacheLayout:
     profile: str | None = None  # None (float32, dynamic token count) or "npu" (static, float16 boundary)
     mid_projected: bool = True  # False: Mid holds KIVI-style codes of the tokens' channels, no bases
     tokens: int | None = None  # tokens per decode-step call when the graph fixes it (the "npu" profile)
+    mid_valid_only: bool = False  # the decode step takes the Mid tensors cut to the rows and pages held
 
     @property
     def boundary_dtype(self) -> str:

@@ -15,7 +15,7 @@ import onnx
 import torch
 
 from .compressor import PageCompressor, compressor_class
-from .decode_step import DecodeStep, capture, empty_cache, layout_for, profiled
+from .decode_step import DecodeStep, capture, empty_cache, layer_tensor_names, layout_for, mid_axes, profiled
 from .executors import graph_signature
 from .layout import NPU_TOKENS
 
@@ -23,13 +23,15 @@ DECODE_FILE, COMPRESSOR_FILE, LAYOUT_FILE = "decode_step.onnx", "compressor.onnx
 COMPRESSOR_INPUTS, COMPRESSOR_OUTPUTS = list(PageCompressor.INPUTS), list(PageCompressor.OUTPUTS)
 
 
-def export_graphs(model, config, max_context: int, tokens: int | None = None, profile: str | None = None):
+def export_graphs(model, config, max_context: int, tokens: int | None = None, profile: str | None = None,
+                  mid_valid_only: bool = False):
     """(layout, {graph: (module, example args, torch.export dynamic_shapes or None)}) of both graphs.
 
     `tokens`: new tokens per decode-step call, or None for a dynamic token count. The "npu"
     profile fixes it to NPU_TOKENS and puts float16 at both graphs' boundaries (Float16Boundary);
     the layout records both, and a fixed token count is the config's prefill chunk (the host
-    runner feeds a prompt in calls of exactly that many tokens).
+    runner feeds a prompt in calls of exactly that many tokens). `mid_valid_only` (with a dynamic
+    token count): the decode step's Mid axes are dynamic too (see export/layout.py).
     """
     if profile == "npu":
         tokens = NPU_TOKENS
@@ -38,18 +40,22 @@ def export_graphs(model, config, max_context: int, tokens: int | None = None, pr
     captured = capture(model, max(tokens or 8, 2))
     layout = layout_for(model, captured, config, max_context)
     layout.profile, layout.tokens = profile, tokens
+    layout.mid_valid_only = mid_valid_only and tokens is None
     step = DecodeStep(captured, layout).eval()
     decode_args = example_decode_args(layout, tokens or min(8, max_context))
-    dynamic = None if tokens else decode_dynamic_shapes(decode_args)
+    dynamic = None if tokens else decode_dynamic_shapes(layout)
     graphs = {"decode_step": (*profiled(step, decode_args, profile), dynamic),
               "compressor": (*profiled(compressor_module(layout), example_compressor_args(layout), profile), None)}
     return layout, graphs
 
 
-def decode_dynamic_shapes(args):
-    """torch.export dynamic_shapes of the decode step's args: the token count of ids and positions."""
+def decode_dynamic_shapes(layout):
+    """torch.export dynamic_shapes of the decode step's args: the token count of ids and
+    positions and, when `layout.mid_valid_only`, the Mid tensors' rows and pages axes."""
     auto = torch.export.Dim.AUTO
-    return ({1: auto}, {1: auto}, None, tuple(None for _ in args[3]))
+    axes = mid_axes(layout) if layout.mid_valid_only else {}
+    cache = [{axes[n][0]: auto} if n in axes else None for n in layer_tensor_names(layout)]
+    return ({1: auto}, {1: auto}, None, tuple(cache * layout.num_layers))
 
 
 def example_decode_args(layout, tokens: int = 8):
@@ -125,7 +131,7 @@ def export_onnx_files(model, out_dir, config, max_context: int = 4096, profile: 
     (`dynamic_dims` finds none; raises otherwise)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    layout, graphs = export_graphs(model, config, max_context, profile=profile)
+    layout, graphs = export_graphs(model, config, max_context, profile=profile, mid_valid_only=True)
     paths = {"decode_step": str(out / DECODE_FILE), "compressor": str(out / COMPRESSOR_FILE)}
     for graph, (module, args, dynamic) in graphs.items():
         with torch.no_grad():

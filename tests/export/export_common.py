@@ -20,8 +20,10 @@ def export_module(name: str):
 
 # Small pages so a 256-token prompt has Initial, Mid, Recent and Terminal pages; a byte budget
 # that keeps some Mid pages whole, evicts others entirely and one partly (score + selection).
+# Mid projected onto fitted bases (opt-in since Config's default became unprojected codes, which
+# test_unprojected_export.py covers), so that the projected path stays tested.
 CONFIG = Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=None, layer_budget_bytes=24000,
-                prefill_chunk_size=64)
+                prefill_chunk_size=64, key_energy=0.9, value_energy=0.9)
 
 
 def export_compressor(config: Config, out_dir, heads: int = 4, kv_heads: int = 2, dim: int = 16):

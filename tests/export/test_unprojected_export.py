@@ -34,9 +34,11 @@ def test_unprojected_host_runner_matches_session(which, tmp_path):
     model = zoo.build("llama")
     paths = export_package().export_onnx(model, tmp_path, config=config, max_context=PROMPT + NEW)
     layout = export_module("layout").CacheLayout.from_json(open(paths["layout"]).read())
-    assert not layout.mid_projected
-    inputs = {i.name for i in onnx.load(paths["decode_step"]).graph.input}
+    assert not layout.mid_projected and layout.mid_valid_only
+    inputs = {i.name: i.type.tensor_type.shape.dim for i in onnx.load(paths["decode_step"]).graph.input}
     assert "mid_v_scale_0" in inputs and not [n for n in inputs if n.startswith(("key_", "value_"))]
+    # Mid rows and pages are dynamic axes: the host feeds what is held, not the capacity.
+    assert all(inputs[f"{n}_0"][axis].dim_param for n, (axis, _) in export_module("decode_step").mid_axes(layout).items())
 
     for runner in assert_host_runner_matches_session(model, tmp_path, config, PROMPT, NEW).values():
         pages = [p for layer in runner.layers for p in layer.pages]
@@ -51,6 +53,9 @@ def test_unprojected_host_runner_matches_session(which, tmp_path):
         assert layer.mid_len > 0 and not layer.bases
         # Value statistics per row: a row past the pages' kept tokens holds none.
         assert (layer.mid["mid_v_scale"][:, : layer.mid_len] > 0).all()
+        fed = layer._mid_inputs()
+        assert fed["mid_k_codes"].shape[1] == fed["mid_v_scale"].shape[1] == layer.mid_len < layout.mid_capacity
+        assert fed["mid_k_scale"].shape[1] == layer.mid_pages
 
 
 def test_unprojected_mla_host_runner_matches_session(tmp_path):
