@@ -1,8 +1,9 @@
 """Palu-like (Chang et al., 2024): low-rank only, no eviction, no quantization.
 
 Mid keys and values are stored as float16 coefficients on each kv-head's principal directions,
-the smallest rank holding `key_energy` / `value_energy` of the energy (fitted once per sequence
-and layer by the store, on the first prefill chunk). Palu proper factorises the K/V projection
+the smallest rank holding `key_energy` / `value_energy` of the energy (Config sets both to 0.9
+when neither is given; fitted once per sequence and layer by the store, on the first prefill
+chunk). Palu proper factorises the K/V projection
 weights offline; this fits the directions on the sequence itself, which is at least as good
 for the same rank. Recent, Initial and Terminal are exact; `mid_bits` and `recent_bits` are
 ignored. No token is dropped, so a byte budget is not enforced: the bytes follow from the
@@ -27,4 +28,4 @@ class Palu(Policy):
         return None
 
     def mid_encoding(self) -> MidEncoding:
-        return MidEncoding(project=self.config.key_energy is not None)
+        return MidEncoding(project=True)  # Config gives palu its energies: it always projects
