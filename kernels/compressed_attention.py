@@ -103,8 +103,9 @@ def partial_dense(
 ) -> tuple[Tensor, Tensor]:
     """Attention of q [Hq, T, d] to exact keys k [Hkv, N, d] and values v [Hkv, N, dv].
 
-    ``mask`` [T, N], True where query row t may see key n (the new chunk's causal mask);
-    None means all visible.
+    ``mask`` [T, N], True where query row t may see key n (the new chunk's causal mask), or any
+    shape that broadcasts to [Hkv, G, T, N] (a per-kv-head mask: padding of a batch folded into
+    the kv-heads); None means all visible.
     """
     kv_heads, n, _ = k.shape
     hq, t, _ = q.shape

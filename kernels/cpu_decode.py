@@ -27,14 +27,14 @@ import platform
 import shutil
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from .compressed_attention import merge_partials, partial_dense, partial_lowrank
-from .decode_inputs import DecodeSegments, MidCodes, check_softcap
+from .decode_inputs import DecodeSegments, MidCodes, RecentCodes, check_softcap
 
 SOURCE = Path(__file__).with_name("csrc") / "mid_decode.cpp"
 # The parts of -ffast-math the kernel can take: not -ffinite-math-only, under which its running
@@ -101,81 +101,125 @@ def c_kernel_available() -> bool:
     return mid_kernel() is not None
 
 
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _pool(threads: int) -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None or _POOL._max_workers < threads - 1:
-        _POOL = ThreadPoolExecutor(max_workers=max(1, threads - 1), thread_name_prefix="kvtopo-decode")
-    return _POOL
-
-
-def _dense_partial(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None = None) -> tuple[Tensor, Tensor]:
-    """(out [Hq, dv], lse [Hq]) of q [Hq, d] over k [Hkv, n, d], v [Hkv, n, dv], float32."""
-    out, lse = partial_dense(q[:, None], k, v, scale, softcap=softcap)
-    return out[:, 0], lse[:, 0]
-
-
 def cpu_decode_attention(q: Tensor, segs: DecodeSegments, scale: float, softcap: float | None = None) -> Tensor:
+    """One sequence: q [Hq, d] over its segments -> [Hq, dv] float32 (a batch of one)."""
+    return cpu_decode_batch(q[None], [segs], scale, softcap)[0]
+
+
+def cpu_decode_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
+                     softcap: float | None = None) -> Tensor:
+    """Decode attention of a batch, q [B, Hq, d] (one token per sequence) over each sequence's
+    segments -> [B, Hq, dv] float32: the exact and Recent tokens of every sequence in one padded
+    attention, every quantized Mid segment (and Mid epoch) of every sequence in one C kernel call,
+    then one log-sum-exp merge per sequence (all sequences at once)."""
     check_softcap(softcap)
-    parts = []
-    if segs.exact is not None and segs.exact[0].shape[1]:
-        parts.append(_dense_partial(q, *segs.exact, scale, softcap))
-    if segs.recent is not None and segs.recent.tokens:
-        parts.append(_dense_partial(q, *segs.recent.decode(), scale, softcap))
-    if segs.mid is not None and segs.mid.tokens:
-        parts.append(mid_partial_cpu(q, segs.mid, scale, softcap))
-    elif segs.mid_other is not None:
-        attend = partial_lowrank if segs.mid_other_projected else partial_dense
-        out, lse = attend(q[:, None], *segs.mid_other, scale, softcap=softcap)
-        parts.append((out[:, 0], lse[:, 0]))
-    for epoch in segs.retired:
-        if isinstance(epoch, MidCodes):
-            parts.append(mid_partial_cpu(q, epoch, scale, softcap))
-        else:
-            out, lse = partial_lowrank(q[:, None], *epoch, scale, softcap=softcap)
-            parts.append((out[:, 0], lse[:, 0]))
-    if not parts:
+    parts: list[list[tuple[Tensor, Tensor]]] = [[] for _ in segs]  # per sequence: (out [Hq, dv], lse [Hq])
+    coded: list[tuple[int, MidCodes]] = []
+    for b, s in enumerate(segs):
+        epochs = ((s.mid,) if s.mid is not None and s.mid.tokens else ()) + tuple(s.retired)
+        if s.mid is None and s.mid_other is not None:
+            attend = partial_lowrank if s.mid_other_projected else partial_dense
+            parts[b].append(_single(attend(q[b, :, None], *s.mid_other, scale, softcap=softcap)))
+        for epoch in epochs:
+            if isinstance(epoch, MidCodes):
+                coded.append((b, epoch))
+            else:
+                parts[b].append(_single(partial_lowrank(q[b, :, None], *epoch, scale, softcap=softcap)))
+    for (b, _), part in zip(coded, mid_partials_cpu(q, coded, scale, softcap)):
+        parts[b].append(part)
+    dense = _dense_batch(q, segs, scale, softcap)
+    if dense is None and not all(parts):
         raise ValueError("decode attention over an empty history")
-    return merge_partials(parts)
+    slots = max(len(p) for p in parts)
+    if slots == 0:
+        return dense[0]
+    empty = (q.new_zeros(dense[0].shape[1:] if dense else parts[0][0][0].shape, dtype=torch.float32),
+             q.new_full((q.shape[1],), -float("inf"), dtype=torch.float32))
+    merged = [tuple(torch.stack([(p[i] if i < len(p) else empty)[j] for p in parts]) for j in (0, 1))
+              for i in range(slots)]
+    return merge_partials(([dense] if dense is not None else []) + merged)
 
 
-def mid_partial_cpu(q: Tensor, mid: MidCodes, scale: float, softcap: float | None = None) -> tuple[Tensor, Tensor]:
-    """(out [Hq, dv], lse [Hq]) of q [Hq, d] over a quantized Mid segment
-    (``softcap``: capped logits; passed to the kernel as a float, 0 meaning none)."""
+def _single(part: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """A torch partial of one query token, (out [Hq, 1, dv], lse [Hq, 1]) -> ([Hq, dv], [Hq])."""
+    return part[0][:, 0], part[1][:, 0]
+
+
+def _dense_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
+                 softcap: float | None) -> tuple[Tensor, Tensor] | None:
+    """(out [B, Hq, dv], lse [B, Hq]) over every sequence's exact tokens and Recent tokens
+    (all sequences' Recent codes decoded by one call), placed in one [Hkv, B, L, d] buffer padded
+    to the longest sequence and attended at once with the padding masked (None: no such tokens)."""
+    recents = [s.recent for s in segs if s.recent is not None and s.recent.tokens]
+    decoded = RecentCodes.concat(recents).decode() if recents else None
+    keys, values, lengths, at = [], [], [], 0
+    for s in segs:
+        n = 0
+        if s.exact is not None and s.exact[0].shape[1]:
+            keys.append(s.exact[0])
+            values.append(s.exact[1])
+            n += s.exact[0].shape[1]
+        if s.recent is not None and s.recent.tokens:
+            keys.append(decoded[0][:, at: at + s.recent.tokens])
+            values.append(decoded[1][:, at: at + s.recent.tokens])
+            at += s.recent.tokens
+            n += s.recent.tokens
+        lengths.append(n)
+    longest = max(lengths)
+    if longest == 0:
+        return None
+    batch, hq, _ = q.shape
+    hkv = keys[0].shape[0]
+    n = torch.tensor(lengths)
+    starts = torch.arange(batch) * longest
+    slot = torch.arange(int(n.sum())) + torch.repeat_interleave(starts - (torch.cumsum(n, 0) - n), n)
+    padded = []
+    for side in (keys, values):
+        flat = torch.cat(side, 1).float()  # [Hkv, all tokens, d]
+        buffer = flat.new_zeros(hkv, batch * longest, flat.shape[-1])
+        buffer.index_copy_(1, slot.to(flat.device), flat)
+        padded.append(buffer.view(hkv * batch, longest, -1))
+    visible = (torch.arange(longest) < n[:, None]).to(q.device)  # [B, L]
+    mask = visible[None].expand(hkv, batch, longest).reshape(hkv * batch, 1, 1, longest)
+    # rows ordered (kv-head, sequence, group): each (kv-head, sequence) pair is one "kv-head" here
+    qh = q.float().reshape(batch, hkv, hq // hkv, -1).transpose(0, 1).reshape(hq * batch, 1, -1)
+    out, lse = partial_dense(qh, *padded, scale, mask, softcap)
+    out = out.reshape(hkv, batch, hq // hkv, -1).transpose(0, 1).reshape(batch, hq, -1)
+    return out, lse.reshape(hkv, batch, hq // hkv).transpose(0, 1).reshape(batch, hq)
+
+
+def mid_partials_cpu(q: Tensor, coded: Sequence[tuple[int, MidCodes]], scale: float,
+                     softcap: float | None = None) -> list[tuple[Tensor, Tensor]]:
+    """[(out [Hq, dv], lse [Hq])] of each (sequence b, quantized Mid segment) of a batch, q
+    [B, Hq, d]: one kernel call over all of them (``softcap``: capped logits; passed to the kernel
+    as a float, 0 meaning none)."""
+    if not coded:
+        return []
     kernel = mid_kernel()
     if kernel is None:
-        keys, values = mid.decode()
-        out, lse = partial_lowrank(q[:, None], keys, values, scale, softcap=softcap)
-        return out[:, 0], lse[:, 0]
-    hkv, rv = mid.kv_heads, mid.value_width
-    hq = q.shape[0]
-    g = hq // hkv
-    qp, qb = mid.query_terms(q, scale)  # [Hkv, G, Rk], [Hkv, G]
-    splits = max(1, -(-mid.tokens // ROWS_PER_SPLIT))
-    coef = torch.empty(splits, hkv, g, rv)
-    lse = torch.empty(splits, hkv, g)
-    codes = [x.contiguous() for x in (mid.k_rows, mid.k_scale, mid.k_offset, mid.k_starts, mid.k_ranks)]
-    codes.append(mid.k_bits)
-    codes += [x.contiguous() for x in (mid.v_rows, mid.v_scale, mid.v_offset, mid.v_starts, mid.v_ranks)]
-    codes += [mid.v_bits, mid.value_stats_per_row, mid.row_stat.contiguous(), coef, lse]
-    cap = 0.0 if softcap is None else float(softcap)
-    threads = torch.get_num_threads()
-    if threads == 1 or splits == 1:
-        kernel.mid_decode(qp, qb, 0, splits, cap, *codes)
-    else:  # the kernel releases the GIL: the worker threads run it in parallel
-        bounds = [splits * i // threads for i in range(threads + 1)]
-        futures = [_pool(threads).submit(kernel.mid_decode, qp, qb, a, b, cap, *codes)
-                   for a, b in zip(bounds[1:-1], bounds[2:])]
-        kernel.mid_decode(qp, qb, bounds[0], bounds[1], cap, *codes)
-        for f in futures:
-            f.result()
-    # merge splits (coefficient domain, linear), then project back once per query head
+        return [_single(partial_lowrank(q[b, :, None], *mid.decode(), scale, softcap=softcap)) for b, mid in coded]
+    tensors, flags, splits = [], [], []
+    for b, mid in coded:
+        hkv = mid.kv_heads
+        qp, qb = mid.query_terms(q[b], scale)  # [Hkv, G, Rk], [Hkv, G]
+        count = max(1, -(-mid.tokens // ROWS_PER_SPLIT))
+        coef, lse = torch.empty(count, hkv, qp.shape[1], mid.value_width), torch.empty(count, hkv, qp.shape[1])
+        tensors += [qp, qb, *(x.contiguous() for x in (
+            mid.k_rows, mid.k_scale, mid.k_offset, mid.k_starts, mid.k_ranks,
+            mid.v_rows, mid.v_scale, mid.v_offset, mid.v_starts, mid.v_ranks, mid.row_stat)), coef, lse]
+        flags += [mid.k_bits, mid.v_bits, int(mid.value_stats_per_row)]
+        splits.append((coef, lse))
+    kernel.mid_decode_batch(tensors, flags, torch.get_num_threads(), 0.0 if softcap is None else float(softcap))
+    return [_merge_splits(mid, coef, lse) for (_, mid), (coef, lse) in zip(coded, splits)]
+
+
+def _merge_splits(mid: MidCodes, coef: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """One Mid segment's splits (coef [S, Hkv, G, Rv], lse [S, Hkv, G]) merged in the coefficient
+    domain (linear), then projected back once per query head -> (out [Hq, dv], lse [Hq])."""
     m = lse.amax(0, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w = torch.exp(lse - m)  # [S, Hkv, G]
     total = w.sum(0)
     mixed = (w[..., None] * coef).sum(0) / total.clamp_min(1e-38)[..., None]  # [Hkv, G, Rv]
-    out = mid.values_out(mixed)
-    return out.reshape(hq, -1), (m[0] + total.log()).reshape(hq)
+    hq = lse.shape[1] * lse.shape[2]
+    return mid.values_out(mixed).reshape(hq, -1), (m[0] + total.log()).reshape(hq)

@@ -48,6 +48,17 @@ class RecentCodes:
             torch.cat([v.offset.float()[..., 0] for v in values], 1),
             keys[0].bits, page_size, keys[0].length, values[0].length)
 
+    @classmethod
+    def concat(cls, parts: list[RecentCodes]) -> RecentCodes:
+        """Several sequences' Recent codes as one (whole pages side by side, so the page
+        statistics stay aligned), to decode a batch at once; one encoding for all of them."""
+        first = parts[0]
+        if any((p.bits, p.page_size, p.dk, p.dv) != (first.bits, first.page_size, first.dk, first.dv) for p in parts):
+            raise ValueError("Recent codes of one batch must share bits, page size and head dims")
+        fields = [torch.cat([getattr(p, f) for p in parts], 1)
+                  for f in ("k_codes", "k_scale", "k_offset", "v_codes", "v_scale", "v_offset")]
+        return cls(*fields, first.bits, first.page_size, first.dk, first.dv)
+
     @property
     def tokens(self) -> int:
         return self.k_codes.shape[1]

@@ -13,9 +13,12 @@ Measured (bench/decode_speed.py, 1 thread, shared 2-core machine): see bench/res
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
 from torch import Tensor
 
-from .cpu_decode import cpu_decode_attention
+from .cpu_decode import cpu_decode_attention, cpu_decode_batch
 from .decode_inputs import DecodeSegments, check_softcap
 
 
@@ -35,3 +38,14 @@ def decode_attention(q: Tensor, segs: DecodeSegments, scale: float, out: Tensor 
         out.copy_(result)
         return out
     return result
+
+
+def decode_attention_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
+                           softcap: float | None = None) -> Tensor:
+    """Decode attention of a batch: q [B, Hq, d], one token per sequence, over ``segs[b]``
+    -> [B, Hq, dv] float32. On CPU one call for the whole batch (``cpu_decode_batch``); CUDA
+    tensors run the Triton kernels one sequence after another."""
+    check_softcap(softcap)
+    if q.is_cuda:
+        return torch.stack([decode_attention(q[b], s, scale, softcap=softcap) for b, s in enumerate(segs)])
+    return cpu_decode_batch(q, segs, scale, softcap=softcap)

@@ -1,16 +1,17 @@
 """The store's data as the decode kernels' inputs: DecodeSegments of one sequence-layer of a
 ``LayerCache`` (exact pages, Recent codes, Mid codes as stored: gathered, not decoded), and the
-decode step ``Session._attend_one`` runs on them (``attend_cache``)."""
+decode step ``Session`` runs on them for a batch of sequences (``attend_cache_batch``)."""
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from kvtopo.kernels.decode_inputs import DecodeSegments, MidCodes, RecentCodes, rank_columns
-from kvtopo.kernels.fast_decode import decode_attention
+from kvtopo.kernels.fast_decode import decode_attention_batch
 
 from .codecs import CodedRows, MidSegment
 from .layer_cache import LayerCache
@@ -46,7 +47,7 @@ def _codes_view(mid: MidSegment) -> MidCodes | None:
     Unprojected codes [N, Hkv, d / codes per byte] are read as one row of Hkv * d codes (an
     identity basis: ranks d, starts h * d), which needs each head's codes to fill whole bytes;
     MLA segments (values inside the keys) are not viewed: their decode steps do not come here
-    (``Session._attend_one``)."""
+    (``Session._reads_codes``)."""
     e = mid.encoding
     if mid.tokens == 0 or not (e.key_bits and e.value_bits) or mid.shared_value_dim is not None:
         return None
@@ -100,13 +101,20 @@ def decode_segments(cache: LayerCache, seq: int, k_new: Tensor | None = None, v_
     return DecodeSegments(exact, recent, mid, other, cache.mid_encoding.project, retired)
 
 
+def attend_cache_batch(cache: LayerCache, seqs: Sequence[int], q: Tensor, k_new: Tensor, v_new: Tensor,
+                       scale: float, softcap: float | None = None) -> Tensor:
+    """Decode step of several sequences (``Session._decode_batch``): q [B, Hq, 1, d] of sequence
+    ``seqs[b]`` over its stored history plus k_new/v_new [B, Hkv, 1, d], one batched kernel call;
+    returns [B, Hq, 1, dv] in q's dtype. ``softcap``: logits are ``softcap * tanh(logits /
+    softcap)`` (None: uncapped). Does not store the tokens (the caller still calls
+    ``cache.observe``/``cache.append``)."""
+    if q.shape[2] != 1:
+        raise ValueError(f"attend_cache_batch is for decode steps (one query token), got {q.shape[2]}")
+    segs = [decode_segments(cache, seq, k_new[b], v_new[b]) for b, seq in enumerate(seqs)]
+    return decode_attention_batch(q[:, :, 0], segs, scale, softcap=softcap)[:, :, None].to(q.dtype)
+
+
 def attend_cache(cache: LayerCache, seq: int, q: Tensor, k_new: Tensor, v_new: Tensor, scale: float,
                  softcap: float | None = None) -> Tensor:
-    """Decode step of ``Session._attend_one``: q [Hq, 1, d] over the stored history of ``seq``
-    plus k_new/v_new [Hkv, 1, d]; returns [Hq, 1, dv] in q's dtype. ``softcap``: logits are
-    ``softcap * tanh(logits / softcap)`` (None: uncapped). Does not store the token (the caller
-    still calls ``cache.observe``/``cache.append``)."""
-    if q.shape[1] != 1:
-        raise ValueError(f"attend_cache is for decode steps (one query token), got {q.shape[1]}")
-    segs = decode_segments(cache, seq, k_new, v_new)
-    return decode_attention(q[:, 0], segs, scale, softcap=softcap)[:, None].to(q.dtype)
+    """``attend_cache_batch`` of one sequence: q [Hq, 1, d], k_new/v_new [Hkv, 1, d] -> [Hq, 1, dv]."""
+    return attend_cache_batch(cache, [seq], q[None], k_new[None], v_new[None], scale, softcap)[0]

@@ -3,11 +3,14 @@
 Batch row b of every call is sequence b of the session. Each call of `attend` gathers the layer's
 stored history for each sequence, attends over [history ; new chunk] (causal within the chunk),
 then appends the chunk's new k/v. Tokens marked invalid for the current step (left padding) are
-neither attended to nor stored.
+neither attended to nor stored. Decode steps (one token per sequence) of the whole batch are one
+batched kernel call over the stored codes; the store's bookkeeping (observe, append) stays per
+sequence.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 import dataclasses
 import weakref
@@ -20,7 +23,7 @@ from kvtopo.kernels.compressed_attention import merge_partials, partial_dense, p
 from kvtopo.kernels.reference import chunk_causal_mask, grouped_attention
 
 from . import context
-from .decode_view import attend_cache
+from .decode_view import attend_cache_batch
 from .layer_cache import LayerCache, Segments
 from .policies import make_policy
 
@@ -135,17 +138,16 @@ class Session:
         if shared_value_dim:
             value = key[..., :shared_value_dim]
 
+        full = [b for b in range(batch) if valid is None or bool(valid[b].all())]
+        if len(full) == batch:
+            return self._attend_rows(cache, full, query, key, value, scale, softcap, sinks)
         out = query.new_zeros(*query.shape[:-1], value.shape[-1])
-        for b in range(batch):
-            rows = None if valid is None or bool(valid[b].all()) else valid[b].nonzero().squeeze(1)
-            q, k, v = query[b], key[b], value[b]
-            if rows is not None:
-                q, k, v = q[:, rows], k[:, rows], v[:, rows]
-            out_b = self._attend_one(cache, b, q, k, v, scale, softcap, sinks)
-            if rows is None:
-                out[b] = out_b
-            else:
-                out[b, :, rows] = out_b
+        if full:
+            out[full] = self._attend_rows(cache, full, query[full], key[full], value[full], scale, softcap, sinks)
+        for b in sorted(set(range(batch)) - set(full)):  # rows with padding: their real tokens only
+            rows = valid[b].nonzero().squeeze(1)
+            one = slice(b, b + 1), slice(None), rows
+            out[b, :, rows] = self._attend_rows(cache, [b], query[one], key[one], value[one], scale, softcap, sinks)[0]
         return out
 
     def attend_sequence(self, layer: str, seq: int, query, key, value, scale: float, *,
@@ -159,7 +161,22 @@ class Session:
         if not self.active:
             raise RuntimeError("kvtopo session used after it was closed")
         cache = self._layer_cache(layer, scale, None, None)
-        return self._attend_one(cache, seq, query, key, value, scale, softcap, sinks)
+        return self._attend_rows(cache, [seq], query[None], key[None], value[None], scale, softcap, sinks)[0]
+
+    def attend_sequences(self, layer: str, seqs: Sequence[int], query, key, value, scale: float, *,
+                         softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """`attend_sequence` for several distinct sequences at once, each with its chunk of T new
+        tokens: query [N, Hq, T, d], key/value [N, Hkv, T, d], row i of sequence ``seqs[i]``
+        -> [N, Hq, T, dv]. The rows that are decode steps (T = 1, over a stored history) are
+        attended by one batched decode call; the others one by one."""
+        if not self.active:
+            raise RuntimeError("kvtopo session used after it was closed")
+        seqs = list(seqs)
+        if len(set(seqs)) != len(seqs) or len(seqs) != query.shape[0]:
+            raise ValueError(f"attend_sequences needs one row per distinct sequence, got ids {seqs} "
+                             f"for {query.shape[0]} rows")
+        cache = self._layer_cache(layer, scale, None, None)
+        return self._attend_rows(cache, seqs, query, key, value, scale, softcap, sinks)
 
     def release(self, seq: int) -> None:
         """Forget sequence `seq` in every layer: its pool slots go back to each layer's free list."""
@@ -203,17 +220,44 @@ class Session:
                 return max((cache.length(seq) for seq in cache.sequences), default=0)
         return 0
 
+    def _attend_rows(self, cache: LayerCache, seqs: Sequence[int], q, k, v, scale: float, softcap: float | None,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
+        """Attend q[i] [Hq, T, d] of sequence seqs[i] over [its history ; its chunk k[i], v[i]],
+        then store the chunks. Decode steps that can read the stored codes directly (C kernel on
+        CPU, Triton on CUDA) go together through one batched call; the other rows one by one."""
+        fast = [i for i, seq in enumerate(seqs) if self._reads_codes(cache, seq, q[i], sinks)]
+        if len(fast) == len(seqs):
+            return self._decode_batch(cache, seqs, q, k, v, scale, softcap)
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+        if fast:
+            out[fast] = self._decode_batch(cache, [seqs[i] for i in fast], q[fast], k[fast], v[fast], scale, softcap)
+        for i in sorted(set(range(len(seqs))) - set(fast)):
+            out[i] = self._attend_one(cache, seqs[i], q[i], k[i], v[i], scale, softcap, sinks)
+        return out
+
+    @staticmethod
+    def _reads_codes(cache: LayerCache, seq: int, q, sinks) -> bool:
+        """A decode step (one query token over a stored history) that the decode kernels can take:
+        not for policies that track attention mass, MLA latents, sliding windows or sinks."""
+        return (q.shape[1] == 1 and bool(cache.length(seq)) and not cache.policy.tracks_attention_mass
+                and not cache.shared_value_dim and cache.window is None and sinks is None)
+
+    @staticmethod
+    def _decode_batch(cache: LayerCache, seqs: Sequence[int], q, k, v, scale: float,
+                      softcap: float | None) -> torch.Tensor:
+        """One batched decode call over the stored codes of every sequence in ``seqs`` (q
+        [B, Hq, 1, d], k/v [B, Hkv, 1, d]), then each sequence's token observed and stored."""
+        out = attend_cache_batch(cache, seqs, q, k, v, scale, softcap)
+        for i, seq in enumerate(seqs):
+            cache.observe(seq, q[i], k.shape[1])
+            cache.append(seq, k[i], v[i])
+        return out
+
     def _attend_one(self, cache: LayerCache, seq: int, q, k, v, scale: float, softcap: float | None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Attend q [Hq, T, d] over [stored history ; new chunk], then store the chunk."""
+        """Attend q [Hq, T, d] over [stored history ; new chunk] through the torch reference,
+        then store the chunk."""
         tracks_mass = cache.policy.tracks_attention_mass
-        if q.shape[1] == 1 and cache.length(seq) and not tracks_mass and not cache.shared_value_dim \
-                and cache.window is None and sinks is None:
-            # Decode step: read the stored codes directly (C kernel on CPU, Triton on CUDA).
-            out = attend_cache(cache, seq, q, k, v, scale, softcap)
-            cache.observe(seq, q, k.shape[0])
-            cache.append(seq, k, v[..., :0] if cache.shared_value_dim else v)
-            return out
         segments = cache.segments(seq)
         if segments is None or (segments.only_exact and not tracks_mass):
             past = segments.exact if segments is not None else None

@@ -1,13 +1,18 @@
 // Fused decode attention over a quantized Mid segment (kernels/cpu_decode.py): projected
 // coefficients, or unprojected keys/values (an identity basis: the caller skips the projections).
-// Built at first use by torch.utils.cpp_extension; the Python wrapper runs splits of the rows
-// on several threads, so the entry point releases the GIL while it computes.
+// Built at first use by torch.utils.cpp_extension. One call takes every Mid segment of a decode
+// batch and runs their splits of rows on its own threads, with the GIL released.
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor (lighter than torch/extension.h)
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <algorithm>
+#include <thread>
+#include <utility>
+#include <vector>
 
 // glibc's vector expf (libmvec, linked by kernels/cpu_decode.py): <math.h> declares it only under
 // -ffast-math, whose finite-math mode this kernel must not use. With it the softmax loop vectorizes.
@@ -208,38 +213,89 @@ static const T *input(const at::Tensor &t, const char *name) {
     return t.data_ptr<T>();
 }
 
-// Splits [s0, s1) of the S = coef.size(0) splits. Shapes: qp [H, G, RK], qb [H, G], k_rows [N, kbytes]
-// uint8, k_scale/k_offset [Pm, kC], k_starts/k_ranks [H] int32, values alike (v_row_stats: v_scale/
-// v_offset [N, H] instead), row_stat [N] int32, coef [S, H, G, RV], lse [S, H, G] (both written).
-// kC/vC, the codes per row, are the last head's start + rank. cap: logit softcap, 0 for none.
-void mid_decode(const at::Tensor &qp, const at::Tensor &qb, int64_t s0, int64_t s1, double cap,
-                const at::Tensor &k_rows, const at::Tensor &k_scale, const at::Tensor &k_offset,
-                const at::Tensor &k_starts, const at::Tensor &k_ranks, int64_t k_bits,
-                const at::Tensor &v_rows, const at::Tensor &v_scale, const at::Tensor &v_offset,
-                const at::Tensor &v_starts, const at::Tensor &v_ranks, int64_t v_bits, bool v_row_stats,
-                const at::Tensor &row_stat, const at::Tensor &coef, const at::Tensor &lse) {
+/* One Mid segment of one sequence: its query terms, codes and split outputs, checked. */
+struct MidSegment {
+    const float *qp, *qb, *ks, *ko, *vs, *vo;
+    const uint8_t *kr, *vr;
+    const int *kst, *krk, *vst, *vrk, *stat;
+    float *coef, *lse;
+    int H, G, RK, RV, N, S, kbytes, vbytes, kC, vC, kbits, vbits, vrow;
+};
+
+// Per segment, 15 tensors: qp [H, G, RK], qb [H, G], k_rows [N, kbytes] uint8, k_scale/k_offset
+// [Pm, kC], k_starts/k_ranks [H] int32, v_rows, v_scale/v_offset ([Pm, vC], or [N, H] with per-row
+// value statistics), v_starts/v_ranks, row_stat [N] int32, coef [S, H, G, RV] and lse [S, H, G]
+// (both written); and 3 ints: k_bits, v_bits, per-row value statistics (0/1). kC/vC, the codes per
+// row, are the last head's start + rank.
+static MidSegment check_segment(const at::Tensor *t, const int64_t *flags) {
+    const at::Tensor &qp = t[0], &k_rows = t[2], &k_scale = t[3], &v_rows = t[7], &v_scale = t[8];
+    const at::Tensor &coef = t[13], &lse = t[14];
+    MidSegment m;
+    m.qp = input<float>(qp, "qp"); m.qb = input<float>(t[1], "qb");
+    m.kr = input<uint8_t>(k_rows, "k_rows"); m.ks = input<float>(k_scale, "k_scale"); m.ko = input<float>(t[4], "k_offset");
+    m.kst = input<int>(t[5], "k_starts"); m.krk = input<int>(t[6], "k_ranks");
+    m.vr = input<uint8_t>(v_rows, "v_rows"); m.vs = input<float>(v_scale, "v_scale"); m.vo = input<float>(t[9], "v_offset");
+    m.vst = input<int>(t[10], "v_starts"); m.vrk = input<int>(t[11], "v_ranks");
+    m.stat = input<int>(t[12], "row_stat");
     TORCH_CHECK(coef.is_contiguous() && lse.is_contiguous(), "coef and lse must be contiguous");
-    int H = qp.size(0), G = qp.size(1), RK = qp.size(2), RV = coef.size(3);
-    int N = k_rows.size(0), S = coef.size(0);
-    const float *q = input<float>(qp, "qp"), *qbias = input<float>(qb, "qb");
-    const uint8_t *kr = input<uint8_t>(k_rows, "k_rows"), *vr = input<uint8_t>(v_rows, "v_rows");
-    const float *ks = input<float>(k_scale, "k_scale"), *ko = input<float>(k_offset, "k_offset");
-    const float *vs = input<float>(v_scale, "v_scale"), *vo = input<float>(v_offset, "v_offset");
-    const int *kst = input<int>(k_starts, "k_starts"), *krk = input<int>(k_ranks, "k_ranks");
-    const int *vst = input<int>(v_starts, "v_starts"), *vrk = input<int>(v_ranks, "v_ranks");
-    const int *stat = input<int>(row_stat, "row_stat");
-    int kC = kst[H - 1] + krk[H - 1], vC = vst[H - 1] + vrk[H - 1];
-    TORCH_CHECK(k_scale.size(1) == kC && k_rows.size(1) * 8 >= kC * k_bits, "key codes/statistics do not match the ranks");
-    TORCH_CHECK(v_row_stats ? v_scale.size(0) == N && v_scale.size(1) == H : v_scale.size(1) == vC,
+    m.coef = coef.data_ptr<float>(); m.lse = lse.data_ptr<float>();
+    m.H = qp.size(0); m.G = qp.size(1); m.RK = qp.size(2); m.RV = coef.size(3);
+    m.N = k_rows.size(0); m.S = coef.size(0);
+    m.kbytes = k_rows.size(1); m.vbytes = v_rows.size(1);
+    m.kbits = flags[0]; m.vbits = flags[1]; m.vrow = flags[2];
+    m.kC = m.kst[m.H - 1] + m.krk[m.H - 1]; m.vC = m.vst[m.H - 1] + m.vrk[m.H - 1];
+    TORCH_CHECK(k_scale.size(1) == m.kC && k_rows.size(1) * 8 >= m.kC * m.kbits, "key codes/statistics do not match the ranks");
+    TORCH_CHECK(m.vrow ? v_scale.size(0) == m.N && v_scale.size(1) == m.H : v_scale.size(1) == m.vC,
                 "value statistics do not match their mode");
-    TORCH_CHECK(v_rows.size(1) * 8 >= vC * v_bits, "value codes do not match the ranks");
-    float *c = coef.data_ptr<float>(), *l = lse.data_ptr<float>();
+    TORCH_CHECK(v_rows.size(1) * 8 >= m.vC * m.vbits, "value codes do not match the ranks");
+    TORCH_CHECK(lse.size(0) == m.S && t[12].size(0) == m.N, "split outputs or row index do not match");
+    return m;
+}
+
+static void run_splits(const MidSegment &m, int s0, int s1, float cap) {
+    mid_decode_splits(m.qp, m.qb, m.H, m.G, m.RK, m.RV, m.N, m.S, s0, s1, cap,
+                      m.kr, m.kbytes, m.ks, m.ko, m.kC, m.kst, m.krk, m.kbits,
+                      m.vr, m.vbytes, m.vs, m.vo, m.vC, m.vst, m.vrk, m.vbits, m.vrow, m.stat, m.coef, m.lse);
+}
+
+// Every split of every Mid segment of a decode batch (each segment one sequence's Mid or Mid
+// epoch): work items are (segment, split of rows), all kv-heads of a split at once; `threads`
+// threads take contiguous runs of items holding about equal numbers of rows. cap: logit softcap,
+// 0 for none.
+void mid_decode_batch(const std::vector<at::Tensor> &tensors, const std::vector<int64_t> &flags,
+                      int64_t threads, double cap) {
+    TORCH_CHECK(tensors.size() % 15 == 0 && flags.size() * 5 == tensors.size(),
+                "15 tensors and 3 flags per segment");
+    std::vector<MidSegment> segs;
+    std::vector<std::pair<int, int>> items;  // (segment, split)
+    std::vector<int64_t> first_row;  // rows before each item
+    int64_t rows = 0;
+    for (size_t i = 0; i * 15 < tensors.size(); ++i) {
+        segs.push_back(check_segment(&tensors[i * 15], &flags[i * 3]));
+        const MidSegment &m = segs.back();
+        int per = (m.N + m.S - 1) / m.S;
+        for (int s = 0; s < m.S; ++s) {
+            items.emplace_back((int)i, s);
+            first_row.push_back(rows);
+            int n0 = s * per, n1 = n0 + per < m.N ? n0 + per : m.N;
+            rows += n1 > n0 ? n1 - n0 : 0;
+        }
+    }
+    int workers = (int)std::max<int64_t>(1, std::min<int64_t>(threads, (int64_t)items.size()));
+    float capf = (float)cap;
+    auto run = [&](int w) {  // the items whose first row lies in worker w's share of all rows
+        for (size_t j = 0; j < items.size(); ++j) {
+            int owner = rows ? (int)std::min<int64_t>(workers - 1, first_row[j] * workers / rows) : 0;
+            if (owner == w) run_splits(segs[items[j].first], items[j].second, items[j].second + 1, capf);
+        }
+    };
     pybind11::gil_scoped_release no_gil;
-    mid_decode_splits(q, qbias, H, G, RK, RV, N, S, s0, s1, (float)cap,
-                      kr, k_rows.size(1), ks, ko, kC, kst, krk, k_bits,
-                      vr, v_rows.size(1), vs, vo, vC, vst, vrk, v_bits, v_row_stats, stat, c, l);
+    std::vector<std::thread> pool;
+    for (int w = 1; w < workers; ++w) pool.emplace_back(run, w);
+    run(0);
+    for (auto &t : pool) t.join();
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("mid_decode", &mid_decode, "Fused Mid-segment decode attention over splits [s0, s1)");
+    m.def("mid_decode_batch", &mid_decode_batch, "Fused Mid-segment decode attention over a batch of segments");
 }

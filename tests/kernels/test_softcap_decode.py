@@ -9,7 +9,7 @@ and the cap changes the output by far more than that bound (checked per case).
 
 End to end: the zoo's tiny Gemma-2 (attn_logit_softcapping=50, sliding windows; as built, and
 with its query projections scaled by 30 so that the cap changes the logits) compiled and
-decoded in a session: the global layers' decode steps go through ``attend_cache`` with the
+decoded in a session: the global layers' decode steps go through ``attend_cache_batch`` with the
 cap, and the logits equal those of the same session whose decode steps take the torch
 reference partials (``_history_partials`` + ``partial_dense`` with the cap, what
 ``Session._attend_one`` computes off the fast path); lossless decoding equals the uncompiled
@@ -171,12 +171,12 @@ def _gemma2(q_gain: float):
 def _decode(compiled, config, ids, attend):
     calls = []
 
-    def spy(cache, seq, q, k, v, scale, softcap=None):
+    def spy(cache, seqs, q, k, v, scale, softcap=None):  # the session's batched decode call, one row at a time
         calls.append(softcap)
-        return attend(cache, seq, q, k, v, scale, softcap)
+        return torch.stack([attend(cache, seq, q[i], k[i], v[i], scale, softcap) for i, seq in enumerate(seqs)])
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(session_mod, "attend_cache", spy)
+    mp.setattr(session_mod, "attend_cache_batch", spy)
     try:
         with kvtopo.session(config) as s:
             tokens, logits = kvtopo.generate(compiled, ids, STEPS, return_logits=True)
