@@ -16,8 +16,8 @@ function of tensors with static shapes (so NPU toolchains get one fixed graph):
    `rank_capacity` zero columns: padded columns give exact zeros and code 0);
 4. quantize each direction over the kept tokens exactly like `kernels.quant.quantize(x, bits,
    reduce_dim=0)`: min/max statistics rounded to float16 toward -inf/+inf (export/f16.py; the
-   whole page falls back to float32 statistics when float16 would widen a scale by more than
-   `SCALE_TOLERANCE`), round-half-even codes, packed `8 // bits` per byte along the directions
+   whole page falls back to float32 statistics when a value is beyond float16's range),
+   round-half-even codes, packed `8 // bits` per byte along the directions
    of each head, first code in the low bits.
 
 Inputs (P = page size, W = observation window, R = rank capacity, a multiple of 8 // bits):
@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kvtopo.kernels.quant import SCALE_TOLERANCE
+from kvtopo.kernels.quant import float16_holds
 from kvtopo.runtime.policies.topo import topo_scores
 
 from .f16 import round_toward_f16
@@ -102,13 +102,12 @@ def quantize_rows(x: Tensor, valid: Tensor, bits: int) -> tuple[Tensor, Tensor, 
 
 def _statistics(lo: Tensor, hi: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
     """`kernels.quant`'s offset and scale of slices with range [lo, hi]: float16 values rounded
-    down/up, or float32 for every slice when float16 widens one by more than SCALE_TOLERANCE."""
+    down/up, or float32 for every slice when float16 cannot hold the values (`float16_holds`)."""
     levels = float((1 << bits) - 1)
     offset16 = round_toward_f16(lo, -1.0)
     scale16 = round_toward_f16((hi - offset16) / levels, 1.0)
-    ideal = (hi - lo) / levels
-    use16 = (scale16 <= ideal * (1 + SCALE_TOLERANCE)).all()
-    return torch.where(use16, offset16, lo), torch.where(use16, scale16, ideal), use16
+    use16 = float16_holds(lo, hi)
+    return torch.where(use16, offset16, lo), torch.where(use16, scale16, (hi - lo) / levels), use16
 
 
 def _codes(x: Tensor, rows: Tensor, offset: Tensor, scale: Tensor, bits: int) -> Tensor:

@@ -15,16 +15,20 @@ the coefficient dimension (one scale per token).
 Why float16 statistics, and when not: the offset is rounded *down* and the scale *up* to
 float16 before any code is computed, so the float16 grid ``offset + code * scale`` still
 covers ``[min, max]``, codes never clamp, and every element is within half a *stored* scale
-of its level. What float16 can cost is a wider stored scale than the float32 ideal
-``(max - min) / (2**bits - 1)``. Measured on 256x16 tensors: for zero-centred data
-(normal, Student-t, low-rank coefficients with decaying energy) the stored scale is at most
-0.14% wider, so the error bound relative to float32 statistics holds within 0.14%; for
-narrow slices far from zero (5 +- 0.03) the offset's float16 step widens the scale by up to
-16%. So float16 is used only when no slice widens by more than ``SCALE_TOLERANCE``
-(and all statistics are finite in float16); otherwise the whole tensor keeps float32
-statistics, which do not widen the scale. Either way ``|x - dequantize(q)| <= (1 + SCALE_TOLERANCE) *
-ideal_scale / 2`` up to float32 arithmetic rounding. The decision reads one boolean back
-from the device per call.
+of its level. What float16 costs is a stored scale wider than the float32 ideal
+``(max - min) / (2**bits - 1)`` by at most one float16 step of the offset divided by the
+levels, then rounded up: the extra error is below half a float16 step of the values
+themselves divided by the levels, less than storing the values in float16 (what an fp16
+cache does) costs. On zero-centred data (normal, Student-t, decaying-energy coefficients,
+256x16) that is at most 0.14% of the scale; a narrow slice far from zero (5 +- 0.03) or a
+page of one survivor (range 0) widens it relatively more, but never past that absolute bound.
+So statistics are float16 whenever float16 can hold them, and float32 only when a scale
+cannot hold the values (beyond +-65504). Not a fallback whenever a scale widens past some
+tolerance: which tokens a page kept would flip that choice, so two executors of the same
+lifecycle (the torch store, the exported compressor) whose near-tied eviction scores differ by
+float rounding would hold different bytes; this way the bytes held follow from the token
+counts unless a value leaves float16's range. The decision reads one boolean back from the
+device per call.
 
 Codes are packed into uint8 along the last dimension, ``8 // bits`` codes per byte, the
 first code in the low bits; a last byte that is only partly used is zero-padded.
@@ -38,12 +42,6 @@ import torch
 from torch import Tensor
 
 SUPPORTED_BITS = (2, 4, 8)
-
-# How much wider than the float32 ideal a float16 scale may be before falling back to float32:
-# 1.6%, ten times the 0.14% that zero-centred data measured, far below the 16% of narrow
-# slices far from zero.
-SCALE_TOLERANCE = 2.0**-6
-
 
 @dataclass(frozen=True, eq=False)
 class Quantized:
@@ -107,6 +105,15 @@ def _round_toward(values: Tensor, dtype: torch.dtype, direction: float) -> Tenso
     return torch.where(wrong_side, stepped, rounded)
 
 
+def float16_holds(lo: Tensor, hi: Tensor) -> Tensor:
+    """Whether float16 statistics (`_statistics`) suit slices with range [lo, hi]: both ends
+    within float16's finite range (beyond it the offset saturates at +-65504 and the scale
+    would have to span the gap). A 0-d bool tensor of comparisons only (false on nan), so
+    exported graphs trace the same decision."""
+    limit = torch.finfo(torch.float16).max
+    return ((lo >= -limit) & (hi <= limit)).all()
+
+
 def _statistics(lo: Tensor, hi: Tensor, levels: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Offset rounded down and scale rounded up to ``dtype``, so the grid covers [lo, hi]."""
     offset = _round_toward(lo, dtype, -float("inf"))
@@ -118,9 +125,8 @@ def quantize(x: Tensor, bits: int, reduce_dim: int) -> Quantized:
     """Quantize ``x`` to ``bits`` per element with min/max statistics over ``reduce_dim``.
 
     Each element is rounded to the nearest level, so ``|dequantize(q) - x| <= q.scale / 2``
-    elementwise, and ``q.scale <= (1 + SCALE_TOLERANCE) * (max - min) / (2**bits - 1)``
-    per slice (both up to float32 arithmetic rounding). Statistics are float16 unless that
-    would break the second bound, then float32 (see the module docstring).
+    elementwise (up to float32 arithmetic rounding). Statistics are float16 unless a value
+    is beyond float16's range, then float32 for the whole tensor (see the module docstring).
     """
     _check_bits(bits)
     if x.shape[reduce_dim] == 0:
@@ -130,9 +136,7 @@ def quantize(x: Tensor, bits: int, reduce_dim: int) -> Quantized:
     lo = x.amin(dim=reduce_dim, keepdim=True)
     hi = x.amax(dim=reduce_dim, keepdim=True)
     offset, scale = _statistics(lo, hi, levels, torch.float16)
-    ideal = (hi - lo) / levels
-    # Also false where float16 overflows: the scale is then inf (or nan).
-    if not (scale.float() <= ideal * (1 + SCALE_TOLERANCE)).all().item():
+    if not float16_holds(lo, hi).item():
         offset, scale = _statistics(lo, hi, levels, torch.float32)
     # A zero scale means every element of the slice equals the offset: all codes are 0.
     step = torch.where(scale > 0, scale.float(), torch.ones_like(lo))

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .quant import SCALE_TOLERANCE, _statistics
+from .quant import _statistics, float16_holds
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -153,7 +153,7 @@ def project_quantize_triton(x: Tensor, vectors: Tensor, mean: Tensor, ranks, bit
     levels = (1 << bits) - 1
     lo, hi = lo[None], hi[None]
     offset, scale = _statistics(lo, hi, levels, torch.float16)
-    if not (scale.float() <= (hi - lo) / levels * (1 + SCALE_TOLERANCE)).all().item():
+    if not float16_holds(lo, hi).item():
         offset, scale = _statistics(lo, hi, levels, torch.float32)
     per = 8 // bits
     cb = -(-c // per)

@@ -244,11 +244,11 @@ class MidSegment:
         values = self.value_bases.expand(values) if self.encoding.project else values.transpose(0, 1)
         return keys, values
 
-    def page_nbytes(self, tokens: int, kv_heads: int, key_dim: int, value_dim: int, stats_bytes: int = 2) -> int:
+    def page_nbytes(self, tokens: int, kv_heads: int, key_dim: int, value_dim: int) -> int:
         """Bytes `append_page` adds for `tokens` survivors, for budgeting before encoding.
 
-        Statistics take `stats_bytes` each: float16 is what `quantize` stores unless a slice
-        needs float32, which pages of a few survivors usually do (one row: always, its range is 0).
+        Statistics are counted as float16, what `quantize` stores unless a value is beyond
+        float16's range (then float32: this undercounts them).
         """
         shared = self.shared_value_dim is not None
         page_rows = self.keys.page_rows.element_size() * (1 if shared else 2)
@@ -256,13 +256,12 @@ class MidSegment:
             return page_rows
         e = self.encoding
         if e.project:
-            keys = _coded_nbytes((tokens, sum(self.key_bases.ranks)), 0, e.key_bits, self.float_dtype, stats_bytes)
+            keys = _coded_nbytes((tokens, sum(self.key_bases.ranks)), 0, e.key_bits, self.float_dtype)
             values = 0 if shared else _coded_nbytes((tokens, sum(self.value_bases.ranks)), 0, e.value_bits,
-                                                    self.float_dtype, stats_bytes)
+                                                    self.float_dtype)
         else:
-            keys = _coded_nbytes((tokens, kv_heads, key_dim), 0, e.key_bits, self.float_dtype, stats_bytes)
-            values = 0 if shared else _coded_nbytes((tokens, kv_heads, value_dim), -1, e.value_bits, self.float_dtype,
-                                                    stats_bytes)
+            keys = _coded_nbytes((tokens, kv_heads, key_dim), 0, e.key_bits, self.float_dtype)
+            values = 0 if shared else _coded_nbytes((tokens, kv_heads, value_dim), -1, e.value_bits, self.float_dtype)
         return page_rows + keys + values
 
 
@@ -273,9 +272,8 @@ def _leading_dims(keys, dims: int):
     return keys[..., :dims]
 
 
-def _coded_nbytes(shape: tuple[int, ...], reduce_dim: int, bits: int | None, float_dtype: torch.dtype,
-                  stats_bytes: int = 2) -> int:
-    """Bytes of a tensor of `shape` as floats, or as packed codes + scale/offset of `stats_bytes` each."""
+def _coded_nbytes(shape: tuple[int, ...], reduce_dim: int, bits: int | None, float_dtype: torch.dtype) -> int:
+    """Bytes of a tensor of `shape` as floats, or as packed codes + float16 scale/offset."""
     elements = math.prod(shape)
     if not bits:
         return elements * torch.finfo(float_dtype).bits // 8
@@ -283,4 +281,4 @@ def _coded_nbytes(shape: tuple[int, ...], reduce_dim: int, bits: int | None, flo
     codes = math.prod(shape[:-1]) * -(-shape[-1] // per_byte)
     stats = list(shape)
     stats[reduce_dim] = 1
-    return codes + 2 * stats_bytes * math.prod(stats)
+    return codes + 2 * 2 * math.prod(stats)

@@ -244,9 +244,9 @@ class LayerCache(Lifecycle):
         picked = gain.argsort(descending=True, stable=True)
         shape = (keys.shape[0], keys.shape[-1], 0 if self.shared_value_dim else values.shape[-1])
         # Every page costs its row count; its first survivor (rank 0) also brings its
-        # statistics (float32 for few survivors); each further one, a row.
+        # statistics; each further one, a row.
         empty = entry.mid.page_nbytes(0, *shape)
-        first = entry.mid.page_nbytes(1, *shape, stats_bytes=4) - empty
+        first = entry.mid.page_nbytes(1, *shape) - empty
         per_row = entry.mid.page_nbytes(2, *shape) - entry.mid.page_nbytes(1, *shape)
         cost = len(group) * empty + torch.cumsum(torch.where(picked % P == 0, first, per_row), 0)
         held = self._bytes_beside_group(entry, group, count)
