@@ -17,14 +17,40 @@ and sampling) runs unchanged. kvtopo replaces two things through the engine's ow
   (`Session.attend_sequence`);
 * the cache: `KvtopoPagedCache`, a `PagedAttentionCache` whose `update` stores nothing (the new
   keys/values go to attention as they are) and whose physical tensor is dropped (a meta tensor).
-  The engine's block ledger is kept as its admission control: it still admits requests by its
-  `num_blocks` pages of logical tokens (not by kvtopo's bytes). The cache records, in the order the
+  It admits requests by kvtopo's bytes when given a K/V byte budget (`kv_budget_bytes`, below);
+  without one, by the engine's own block ledger of logical tokens (`num_blocks`). The cache records, in the order the
   engine packs them, which request each span of the next forward belongs to (the engine reports it
   through `extend_read_and_write_indices` / `fill_block_table`), maps each request id to a kvtopo
   sequence id, and releases the request's pages in every layer (`Session.release`) when the engine
   frees its blocks: when it finishes, is cancelled, or is evicted (offloaded and later re-prefilled
   from scratch). Every layer of the session has one `PagePool`, shared by all requests; a released
   slot goes back on its free list and is the next one handed out.
+
+Admission by bytes (`kv_budget_bytes`: the bytes all requests' K/V may take together, as
+`Session.stats().total_bytes` counts them: live and free pool slots, codes, metadata). The engine's
+scheduler asks its cache, per request and forward, whether the next `n` tokens can be stored
+(`can_store_request_tokens`), how much of the cache is free (`compute_free_capacity`, its safety
+margin) and, before it evicts, how many starved requests would then fit (`count_storable_requests`).
+`KvtopoPagedCache` answers all three from the session's measured bytes plus a conservative
+estimate of what the new tokens can add (`_Growth`), and reserves that estimate until the forward
+has stored them (then the measurement replaces it). So a request joins, or a running one grows by
+a prefill chunk or a decode token, only when the budget holds it; when it does not, the engine's own
+mechanism acts: the request waits, or the engine evicts the newest starved request (its pages are
+released at once) and re-prefills it later. The engine's block ledger still runs underneath (its
+index tensors need it), sized by `num_blocks` large enough not to bind (`generate_batch` sizes it to
+hold every input). After every forward the measured bytes are checked against the budget; a miss
+(an estimate that was not an upper bound: a bug) is counted (`budget_misses`) and logged.
+
+The estimate charges, per layer, what the stored tokens can cost before compression has shrunk
+them: every page the tokens open at its exact cost (the model's dtype: float32 here, fp16 on a
+half-precision model) for whatever it becomes (a Recent code, Mid rows, attention mass: each smaller
+than the exact page), plus the pool slots the sequence can hold exact at its new length (the
+lifecycle's Initial/Terminal pages, and Recent/Mid ones when they stay exact), priced by the pool's
+own growth rule (free slots first, then steps of an eighth), plus a new sequence's observation
+window and, for projecting policies, a new Mid epoch's bases. An 8K-token prompt chunk is charged
+about its exact size until it settles, then held at the compressed size: admission is bounded by
+the prefill chunk in flight, not by a guessed ratio. Lossless pages never re-encode: their slots
+alone are charged.
 
 Every span is checked against the store before attention: the engine's past length for the request
 must equal the tokens kvtopo holds for its sequence, so a request never attends over a history that
@@ -42,8 +68,11 @@ models with sliding-window layers are refused.
 One patch of transformers' internals: `ContinuousBatchingManager._create_batch_processor` builds a
 `PagedAttentionCache` by the name its module imported, with no argument to choose the class. While
 the kvtopo manager's processor is built, that module-level name is rebound to `KvtopoPagedCache`
-(under a lock, then restored). This relies on transformers 5.24.0's internals, so this module
-raises on any other transformers version (`TRANSFORMERS_VERSION`).
+(under a lock, then restored). Byte admission overrides the cache's accounting methods named
+above, which transformers 5.24.0's `Scheduler._process_candidates` / `_try_to_meet_safety_margin`
+and `OffloadingManager.offload_requests` call (and reads the scheduler's `starved_requests`, kept
+in step with the list `count_storable_requests` is given). This relies on transformers 5.24.0's
+internals, so this module raises on any other transformers version (`TRANSFORMERS_VERSION`).
 """
 
 from __future__ import annotations
@@ -61,13 +90,16 @@ from transformers.generation.continuous_batching import continuous_api
 from transformers.generation.continuous_batching.cache import PagedAttentionCache, group_layers_by_attn_type
 from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
 from transformers.generation.continuous_batching.requests import GenerationOutput
-from transformers.generation.continuous_batching.utils import WorkloadHints
+from transformers.generation.continuous_batching.utils import (WorkloadHints, find_head_dim, find_num_key_value_heads,
+                                                               logger)
 
 from kvtopo.config import Config
+from kvtopo.runtime.lifecycle import observed_positions
+from kvtopo.runtime.phases import Phase, PhasePlan
 from kvtopo.runtime.session import CacheStats, Session
 
 __all__ = ["ATTN_IMPLEMENTATION", "BatchResult", "KvtopoBatchingManager", "KvtopoPagedCache", "TRANSFORMERS_VERSION",
-           "generate_batch", "page_ownership_errors"]
+           "generate_batch", "ledger_blocks", "page_ownership_errors"]
 
 # The one transformers version whose continuous-batching internals this module was written against.
 TRANSFORMERS_VERSION = "5.24.0"
@@ -106,6 +138,84 @@ def kvtopo_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     return cache.attend(module, query, key, value, scaling, kwargs.get("softcap")), None
 
 
+class _Growth:
+    """Upper bounds of what appending tokens to a sequence adds to the session's bytes (see the
+    module docstring): exact page cost for every opened page, the pool slots the lifecycle keeps
+    exact (priced by the pool's growth rule), a new sequence's observation window, new Mid bases."""
+
+    def __init__(self, session: Session, model_config, dtype: torch.dtype):
+        config = session.config
+        self.session, self.page_size, self.max_pages = session, config.page_size, config.max_pages
+        self.plan = PhasePlan(config.page_size, config.sink_tokens, config.recent_tokens, config.protected_spans)
+        self.mid = session.policy.mid_encoding()
+        self.recent_bits = session.policy.recent_bits()
+        self.layers = [str(i) for i in range(model_config.num_hidden_layers)]
+        kv_heads, q_heads = find_num_key_value_heads(model_config), model_config.num_attention_heads
+        head_dim = find_head_dim(model_config)
+        # The exact page before the layer's pool exists (LayerCache makes it from the first k/v).
+        self.first_page_nbytes = 2 * kv_heads * config.page_size * head_dim * dtype.itemsize
+        self.reencodes = not (self.mid.identity and self.recent_bits is None)
+        window = observed_positions(config.observation_window, q_heads, kv_heads)
+        self.new_sequence_nbytes = q_heads * window * head_dim * 2 if self.mid.evict else 0  # float16 queries
+        # Per Mid epoch, keys and values: float16 directions of rank <= head_dim, float32 means.
+        self.bases_nbytes = 2 * kv_heads * head_dim * (head_dim * 2 + 4) if self.mid.project else 0
+
+    def exact_pages(self, pages: int) -> int:
+        """Pages the lifecycle holds in exact pool slots when a sequence has `pages` pages."""
+        if self.mid.identity and self.recent_bits is None:
+            return pages
+        exact = pages - (0 if self.mid.identity else self.plan.mid_pages(pages))
+        if self.recent_bits is not None:
+            exact -= sum(self.plan.phase(i, pages) is Phase.RECENT for i in range(max(0, pages - 1 - self.plan.recent_pages), pages - 1))
+        return exact
+
+    def new_slots(self, pool, promised: int, slots: int) -> int | None:
+        """Slots the pool adds (PagePool._grow: steps of max(grow_by, capacity // 8), up to
+        max_pages) to hand out `slots` more live slots after `promised` others; None: it cannot."""
+        capacity, live, step = (pool.capacity, pool.live_pages, pool.grow_by) if pool is not None else (0, 0, 1)
+        grown = capacity
+        while grown - live < promised + slots:
+            bigger = grown + max(step, grown // 8)
+            if self.max_pages is not None:
+                bigger = min(bigger, self.max_pages)
+            if bigger <= grown:
+                return None
+            grown = bigger
+        return grown - capacity
+
+    def of(self, seq: int | None, past: int, tokens: int, promised: dict[str, int]) -> tuple[int, dict[str, int]] | None:
+        """(bytes, pool slots per layer) that appending `tokens` after `past` to sequence `seq`
+        (None: not stored yet) can add, after the `promised` slots of other scheduled appends;
+        None when a pool at `max_pages` cannot hold them."""
+        P = self.page_size
+        pages_before, pages_after = -(-past // P), -(-(past + tokens) // P)
+        opened = pages_after - pages_before
+        total, slots_by_layer = 0, {}
+        for name in self.layers:
+            layer = self.session.layers.get(name)
+            pool = layer.pool if layer is not None else None
+            entry = layer.sequences.get(seq) if layer is not None and seq is not None else None
+            page = pool.page_nbytes if pool is not None else self.first_page_nbytes
+            live = entry.block_table.numel() if entry is not None else 0
+            slots = min(opened, max(0, self.exact_pages(pages_after) - live))
+            already = self.new_slots(pool, 0, promised.get(name, 0))
+            grown = self.new_slots(pool, promised.get(name, 0), slots)
+            if already is None or grown is None:
+                return None
+            total += (grown - already) * page + opened * ((page if self.reencodes else 0) + 4)  # + block-table int32
+            if entry is None:
+                total += self.new_sequence_nbytes
+            if self.bases_nbytes and self._epoch_starts(entry, past + tokens):
+                total += self.bases_nbytes
+            slots_by_layer[name] = slots
+        return total, slots_by_layer
+
+    def _epoch_starts(self, entry, length: int) -> bool:
+        if entry is None or entry.mid is None:
+            return self.plan.mid_pages(-(-length // self.page_size)) > 0
+        return entry.next_refit is not None and length >= entry.next_refit
+
+
 @dataclass(frozen=True)
 class _Span:
     """One request's tokens in the packed forward: kvtopo sequence, engine past length, token count."""
@@ -119,9 +229,16 @@ class _Span:
 class KvtopoPagedCache(PagedAttentionCache):
     """The engine's paged cache with kvtopo's session as the store (see the module docstring)."""
 
-    def __init__(self, *args, session: Session, **kwargs):
+    def __init__(self, *args, session: Session, budget_bytes: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.session = session
+        self.budget_bytes = budget_bytes
+        self.growth = _Growth(session, self.config, self.dtype)
+        self.scheduler = None  # the engine's scheduler (its starved requests), set by the manager
+        self._reserved = 0  # bytes admitted for the forward not run yet
+        self._promised: dict[str, int] = {}  # pool slots per layer admitted for it
+        self._held: int | None = None  # the session's measured bytes (None: changed since measured)
+        self.budget_misses = 0  # forwards after which the session held more than the budget
         self._drop_physical_cache()
         self.sequence_of: dict[str, int] = {}  # request id -> kvtopo sequence id, while the request holds pages
         self._next_seq = 0
@@ -147,6 +264,54 @@ class KvtopoPagedCache(PagedAttentionCache):
         super().fill_block_table(request_id, past_length, query_length, block_table)
         self._recorded.append((request_id, past_length, query_length))
 
+    # -- admission by bytes (transformers' scheduler and offloading manager call these) -------------
+    def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
+        if self.budget_bytes is None:
+            return super().can_store_request_tokens(state, request_len, dry_run)
+        with self._lock:
+            cost = self._cost(state.request_id, state.current_len(), request_len, self._promised)
+            if cost is None or self.held_bytes() + self._reserved + cost[0] > self.budget_bytes:
+                return False
+            if not super().can_store_request_tokens(state, request_len, dry_run):
+                return False
+            if not dry_run:
+                self._reserved += cost[0]
+                for name, slots in cost[1].items():
+                    self._promised[name] = self._promised.get(name, 0) + slots
+            return True
+
+    def count_storable_requests(self, list_blocks_needed: list[dict[str, int]]) -> int:
+        """How many of the scheduler's starved requests (the first len(list_blocks_needed): the
+        offloading manager pops both lists together) would fit in turn, by bytes."""
+        if self.budget_bytes is None:
+            return super().count_storable_requests(list_blocks_needed)
+        with self._lock:
+            free, promised = self.budget_bytes - self.held_bytes() - self._reserved, dict(self._promised)
+            fits = 0
+            for state, request_len in self.scheduler.starved_requests[: len(list_blocks_needed)]:
+                cost = self._cost(state.request_id, state.current_len(), request_len, promised)
+                if cost is None or cost[0] > free:
+                    break
+                free, fits = free - cost[0], fits + 1
+                for name, slots in cost[1].items():
+                    promised[name] = promised.get(name, 0) + slots
+            return min(fits, super().count_storable_requests(list_blocks_needed))
+
+    def compute_free_capacity(self, relative: bool = True) -> int | float:
+        if self.budget_bytes is None:
+            return super().compute_free_capacity(relative)
+        free = max(0, self.budget_bytes - self.held_bytes() - self._reserved)
+        return free / self.budget_bytes if relative else free
+
+    def held_bytes(self) -> int:
+        """What the session holds now (Session.stats().total_bytes), measured once per change."""
+        if self._held is None:
+            self._held = sum(sum(layer.nbytes().values()) for layer in self.session.layers.values())
+        return self._held
+
+    def _cost(self, request_id: str, past: int, tokens: int, promised: dict[str, int]):
+        return self.growth.of(self.sequence_of.get(request_id), past, tokens, promised)
+
     # -- the forward ---------------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, kwargs):
         """Store nothing: hand the new keys/values and this cache to the kvtopo attention function."""
@@ -158,6 +323,9 @@ class KvtopoPagedCache(PagedAttentionCache):
     def _start_forward(self) -> None:
         with self._lock:
             self._note_peak()
+            # The forward stores what was admitted for it; the engine schedules again only after it
+            # ran (async batching is off), when the measurement includes it.
+            self._held, self._reserved, self._promised = None, 0, {}
             spans = []
             for request_id, past, tokens in self._recorded:
                 seq = self.sequence_of.get(request_id)
@@ -205,6 +373,7 @@ class KvtopoPagedCache(PagedAttentionCache):
             if seq is not None:
                 self._note_peak()
                 self.session.release(seq)
+                self._held = None
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         super().free_all_requests(clear_ledgers)
@@ -212,11 +381,17 @@ class KvtopoPagedCache(PagedAttentionCache):
             for seq in self.sequence_of.values():
                 self.session.release(seq)
             self.sequence_of.clear()
+            self._held = None
 
     def _note_peak(self) -> None:
+        """Measure the session (after a forward, before a release): its peak, and a budget miss."""
         stats = self.session.stats()
         if self.peak is None or stats.total_bytes > self.peak.total_bytes:
             self.peak = stats
+        if self.budget_bytes is not None and stats.total_bytes > self.budget_bytes:
+            self.budget_misses += 1
+            logger.warning(f"kvtopo continuous batching: the session holds {stats.total_bytes} bytes, over the "
+                           f"K/V budget of {self.budget_bytes}: an admission estimate was not an upper bound")
 
 
 @contextmanager
@@ -241,14 +416,23 @@ class KvtopoBatchingManager(continuous_api.ContinuousBatchingManager):
     """transformers' ContinuousBatchingManager whose KV cache is the kvtopo `session`.
 
     Use it as the engine's manager (`add_request`, `get_result`, `start`, `stop`, ...), or through
-    `generate_batch`. The session must be active (`with session:`) while the manager runs."""
+    `generate_batch`. The session must be active (`with session:`) while the manager runs.
+    `kv_budget_bytes`: admit requests by the session's bytes (module docstring); the engine's
+    `num_blocks` must then be set, to a ledger of logical tokens large enough not to bind."""
 
     def __init__(self, model, session: Session, generation_config: GenerationConfig | None = None,
                  continuous_batching_config: ContinuousBatchingConfig | None = None,
-                 workload_hints: WorkloadHints | None = None):
+                 workload_hints: WorkloadHints | None = None, *, kv_budget_bytes: int | None = None):
         check_transformers_version()
         if not isinstance(session, Session):
             raise TypeError(f"session must be a kvtopo Session, got {type(session).__name__}")
+        if kv_budget_bytes is not None:
+            if kv_budget_bytes < 1:
+                raise ValueError(f"kv_budget_bytes must be a positive number of bytes, got {kv_budget_bytes}")
+            if continuous_batching_config is None or continuous_batching_config.num_blocks is None:
+                raise ValueError("with kv_budget_bytes the engine's block ledger must be sized by hand "
+                                 "(ContinuousBatchingConfig.num_blocks: logical tokens / page_size, enough not to bind); "
+                                 "transformers would size it from free device memory")
         text_config = model.config.get_text_config()
         layer_types = set(group_layers_by_attn_type(text_config))
         if layer_types != {FULL_ATTENTION}:
@@ -262,6 +446,7 @@ class KvtopoBatchingManager(continuous_api.ContinuousBatchingManager):
             generation_config = replace_generation_config(generation_config, eos_token_id=-1)
         AttentionInterface.register(ATTN_IMPLEMENTATION, kvtopo_paged_attention)
         self.session = session
+        self.kv_budget_bytes = kv_budget_bytes
         self.kv_cache: KvtopoPagedCache | None = None
         super().__init__(model, generation_config, engine_config(continuous_batching_config), workload_hints)
 
@@ -273,12 +458,14 @@ class KvtopoBatchingManager(continuous_api.ContinuousBatchingManager):
             self._original_attn_impl = original
 
     def _create_batch_processor(self):
-        with _engine_builds(functools.partial(KvtopoPagedCache, session=self.session)):
+        with _engine_builds(functools.partial(KvtopoPagedCache, session=self.session,
+                                              budget_bytes=self.kv_budget_bytes)):
             processor = super()._create_batch_processor()
         if not isinstance(processor.cache, KvtopoPagedCache):
             raise RuntimeError("transformers built its own paged cache instead of kvtopo's: this transformers build "
                                f"differs from {TRANSFORMERS_VERSION}")
         self.kv_cache = processor.cache
+        self.kv_cache.scheduler = processor.scheduler
         return processor
 
 
@@ -301,13 +488,14 @@ class BatchResult:
 def generate_batch(model, inputs: list[list[int]], config: Config | None = None, *, max_new_tokens: int | None = None,
                    generation_config: GenerationConfig | None = None,
                    continuous_batching_config: ContinuousBatchingConfig | None = None,
-                   session: Session | None = None) -> BatchResult:
+                   session: Session | None = None, kv_budget_bytes: int | None = None) -> BatchResult:
     """transformers' `model.generate_batch(inputs, ...)` with kvtopo's store as the KV cache.
 
     `config`: the kvtopo Config of a new session (default `Config()`); or pass `session` (then its
     config is used, and its stats can be read afterwards; every request is released when it
-    finishes). A request that fails raises here (transformers' generate_batch logs it and returns
-    the others)."""
+    finishes). `kv_budget_bytes`: admit by kvtopo's bytes (the engine's ledger, unless set, is
+    sized to hold every input at once). A request that fails raises here (transformers'
+    generate_batch logs it and returns the others)."""
     if session is None:
         session = Session(config)
     elif config is not None and config != session.config:
@@ -318,7 +506,13 @@ def generate_batch(model, inputs: list[list[int]], config: Config | None = None,
     new_tokens = max_new_tokens if max_new_tokens is not None else gen.max_new_tokens
     hints = WorkloadHints(max_prompt_length=max(len(ids) for ids in inputs),
                           max_generated_length=new_tokens or 0, num_requests=len(inputs))
-    manager = KvtopoBatchingManager(model, session, gen, continuous_batching_config, hints)
+    if kv_budget_bytes is not None:
+        cb = continuous_batching_config if continuous_batching_config is not None else ContinuousBatchingConfig()
+        if cb.num_blocks is None:
+            cb = replace(cb, num_blocks=ledger_blocks([len(ids) + (new_tokens or 0) for ids in inputs], cb.page_size))
+        continuous_batching_config = cb
+    manager = KvtopoBatchingManager(model, session, gen, continuous_batching_config, hints,
+                                    kv_budget_bytes=kv_budget_bytes)
     # transformers' entry point reuses a manager cached on the model: generate_batch then runs ours.
     model._cached_continuous_batching_manager = manager
     try:
@@ -335,6 +529,12 @@ def generate_batch(model, inputs: list[list[int]], config: Config | None = None,
         raise RuntimeError(f"kvtopo continuous batching: {len(outputs)} of {len(inputs)} requests returned; "
                            f"failed: {failed}")
     return BatchResult(outputs, manager.kv_cache.peak)
+
+
+def ledger_blocks(request_tokens: list[int], page_size: int) -> int:
+    """The engine's block ledger (`num_blocks`) that holds requests of these token counts all at
+    once: under byte admission it only indexes tokens, and must never be what refuses one."""
+    return sum(-(-n // page_size) for n in request_tokens) + 1
 
 
 def page_ownership_errors(session: Session) -> list[str]:

@@ -12,7 +12,8 @@ from kvtopo.models import zoo
 from kvtopo.runtime.session import Session
 from kvtopo.serving import continuous_batching
 from kvtopo.serving.continuous_batching import (ATTN_IMPLEMENTATION, KvtopoBatchingManager, generate_batch,
-                                                page_ownership_errors)
+                                                ledger_blocks, page_ownership_errors)
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
 GREEDY = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
 
@@ -70,10 +71,60 @@ def test_default_compressed_config_holds_fewer_bytes_and_generates():
     assert topo.total_bytes < exact.total_bytes / 2, (topo.total_bytes, exact.total_bytes)
 
 
+def _run_stream(manager, prompts, new_tokens, session=None, budget=None):
+    """Drive `manager` one engine step at a time over requests all arriving at once:
+    (peak active requests, tokens per request). With `session`: its bytes after every step stay
+    within `budget`."""
+    processor = manager._create_batch_processor()
+    manager.batch_processor, manager.current_batch = processor, 0
+    for i, prompt in enumerate(prompts):
+        manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=new_tokens)
+    peak = 0
+    for step in range(300):
+        manager._generation_loop_body(processor, bootstrapping=False)
+        peak = max(peak, len(processor.scheduler.active_requests))
+        if session is not None:
+            assert session.stats().total_bytes <= budget, (step, session.stats().total_bytes, budget)
+        if not processor.has_pending_requests():
+            break
+    outputs = {}
+    while not manager.output_router.output_queue.empty():
+        out = manager.output_router.output_queue.get()
+        outputs[out.request_id] = out.generated_tokens
+    assert len(outputs) == len(prompts)
+    return peak, outputs
+
+
+def test_byte_budget_admits_more_requests_than_the_engines_own_cache():
+    """One K/V byte budget: transformers' own cache gets that many bytes of blocks; kvtopo admits by
+    its measured bytes (Config(): more requests at once; lossless: the engine's own tokens), and
+    never holds more than the budget after a step."""
+    prompts, new_tokens = _prompts((300, 290, 310, 295, 305, 285), seed=5), 6
+    token_bytes = 512  # zoo llama: 2 layers x (k + v) x 2 kv-heads x 16 dims x float32
+    budget = 2 * 320 * token_bytes  # the engine's cache: two of these requests (10 blocks of 32 each)
+    engine = dict(page_size=32, max_batch_tokens=256, safety_margin=0.0)
+    own_peak, own = _run_stream(ContinuousBatchingManager(zoo.build("llama"), GREEDY, ContinuousBatchingConfig(
+        num_blocks=budget // (32 * token_bytes), **engine)), prompts, new_tokens)
+    ledger = ContinuousBatchingConfig(num_blocks=ledger_blocks([len(p) + new_tokens for p in prompts], 32), **engine)
+    runs = {}
+    for name, config in (("lossless", Config.lossless()), ("topo", Config())):
+        session = Session(config)
+        manager = KvtopoBatchingManager(zoo.build("llama"), session, GREEDY, ledger, kv_budget_bytes=budget)
+        with session:
+            runs[name] = _run_stream(manager, prompts, new_tokens, session, budget)
+        assert manager.kv_cache.budget_misses == 0
+        assert manager.kv_cache.peak.total_bytes <= budget
+    assert runs["lossless"][1] == own
+    assert own_peak == 2
+    assert runs["topo"][0] > own_peak, (runs["topo"][0], own_peak)
+
+
 def test_interleaved_joins_evictions_and_finishes_keep_pages_owned():
     """Requests join, are cancelled, evicted by the engine (re-prefilled later) and finish, one
-    engine step at a time; after every step no pool slot is in two sequences' block tables,
-    every live slot belongs to a live request, and finished requests' tokens equal HF generate's."""
+    engine step at a time, admitted by kvtopo's bytes under a budget that forces evictions; after
+    every step no pool slot is in two sequences' block tables, every live slot belongs to a live
+    request, the session holds no more than the budget, and finished requests' tokens equal HF
+    generate's."""
     rng = random.Random(16)
     reference_model = zoo.build("llama")
     plans = [(f"r{i}", _prompts((rng.randint(4, 70),), seed=100 + i)[0], rng.randint(2, 24)) for i in range(14)]
@@ -81,8 +132,10 @@ def test_interleaved_joins_evictions_and_finishes_keep_pages_owned():
 
     model = zoo.build("llama")
     session = Session(Config.lossless(page_size=8))
+    budget = 96 * 512  # 96 tokens of the zoo llama's float32 K/V
     manager = KvtopoBatchingManager(model, session, GREEDY,
-                                    _engine(num_blocks=8, page_size=16, max_batch_tokens=40, safety_margin=0.0))
+                                    _engine(num_blocks=200, page_size=16, max_batch_tokens=40, safety_margin=0.0),
+                                    kv_budget_bytes=budget)
     released_slots = {}  # layer -> slots freed by released sequences, not yet seen again
     reused = 0
     release = session.release
@@ -114,6 +167,7 @@ def test_interleaved_joins_evictions_and_finishes_keep_pages_owned():
             manager._generation_loop_body(processor, bootstrapping=False)
 
             assert page_ownership_errors(session) == [], step
+            assert session.stats().total_bytes <= budget, step
             live = set(cache.sequence_of.values())
             for name, layer in session.layers.items():
                 assert set(layer.sequences) <= live, (step, name)
@@ -140,6 +194,7 @@ def test_interleaved_joins_evictions_and_finishes_keep_pages_owned():
     assert reused > 0
     print(f"{len(finished)} finished, {len(cancelled)} cancelled, evicted {evicted}, {reused} released slots reused")
     assert all(not layer.sequences and layer.pool.live_pages == 0 for layer in session.layers.values())
+    assert cache.budget_misses == 0
     assert cache.cache_tensor.device.type == "meta"  # the engine's own KV tensor was never materialised
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION
 
