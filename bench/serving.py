@@ -8,25 +8,30 @@ Llama (float32, CPU). Both engines are driven one engine step at a time by the s
 
 The budget (`--budget-mb`, bytes of K/V) sizes transformers' own cache: its block count is the
 budget over one block's K/V bytes, and it admits requests by free blocks. kvtopo's store is
-admitted by the engine's same logical block ledger, given `target_ratio` times as many blocks (the
-bytes per token kvtopo is asked to hold are that many times fewer); what kvtopo really held is
+admitted either (`--admission bytes`) by its own measured bytes against the same budget
+(`kv_budget_bytes`: the session's bytes plus a conservative estimate of each step's new tokens; the
+engine's block ledger is sized to hold the whole stream so it never binds), or (`--admission
+ratio`, what the older results used) by the engine's logical block ledger given `target_ratio`
+times as many blocks (lossless: the engine's block count). Either way what kvtopo really held is
 measured after every step (`Session.stats().total_bytes`, pool slots free or live, codes,
 metadata) and printed next to the budget — the run says whether the budget was kept, it does not
-assume it. Lossless (`Config.lossless()`, the engine's block count) must give every request the
-same tokens as the engine's own cache; that is checked and printed.
+assume it. Lossless (`Config.lossless()`) must give every request the same tokens as the engine's
+own cache; that is checked and printed. The machine's load (`os.getloadavg`) before and after is
+recorded: the figures are wall-clock rates on shared cores.
 
 Reported per engine: peak concurrent requests (requests the scheduler holds active at once),
 aggregate decode tokens/s (generated tokens over the run's wall time), median time to first
 token (from arrival), peak KV bytes.
 
     python bench/serving.py [--requests 10] [--min-prompt 4096] [--max-prompt 16384] [--budget-mb 12]
-                            [--out bench/results/serving.json]
+                            [--admission ratio|bytes] [--out bench/results/serving.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -55,8 +60,10 @@ def kv_bytes_per_token(model) -> int:
     return c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
 
 
-def run_engine(model, plans, num_blocks: int, max_batch_tokens: int, session=None, kv_bytes=None) -> dict:
-    """Drive one engine over the stream step by step; `session`: kvtopo's store (else the engine's own cache)."""
+def run_engine(model, plans, num_blocks: int, max_batch_tokens: int, session=None, kv_bytes=None,
+               kv_budget_bytes=None) -> dict:
+    """Drive one engine over the stream step by step; `session`: kvtopo's store (else the engine's own
+    cache), admitted by its bytes when `kv_budget_bytes` is given."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
@@ -66,7 +73,8 @@ def run_engine(model, plans, num_blocks: int, max_batch_tokens: int, session=Non
     greedy = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
     engine = ContinuousBatchingConfig(num_blocks=num_blocks, page_size=BLOCK, max_batch_tokens=max_batch_tokens,
                                       safety_margin=0.0)
-    manager = (KvtopoBatchingManager(model, session, greedy, engine) if session is not None
+    manager = (KvtopoBatchingManager(model, session, greedy, engine, kv_budget_bytes=kv_budget_bytes)
+               if session is not None
                else ContinuousBatchingManager(model, greedy, engine))
     processor = manager._create_batch_processor()
     manager.batch_processor, manager.current_batch = processor, 0
@@ -95,7 +103,9 @@ def run_engine(model, plans, num_blocks: int, max_batch_tokens: int, session=Non
         raise RuntimeError(f"{len(outputs)} of {len(plans)} requests returned; failed: {failed}")
     generated = sum(len(out.generated_tokens) for out in outputs.values())
     ttft = [out.timestamps[0] - arrived[rid] for rid, out in outputs.items() if out.timestamps]
+    misses = manager.kv_cache.budget_misses if session is not None else 0
     return {"wall_s": round(wall, 2), "steps": step, "peak_concurrent": peak_active, "peak_kv_bytes": int(peak_bytes),
+            "budget_misses": misses,
             "generated_tokens": generated, "decode_tokens_per_s": round(generated / wall, 2),
             "median_ttft_s": round(statistics.median(ttft), 2) if ttft else None,
             "tokens": {rid: out.generated_tokens for rid, out in outputs.items()}}
@@ -110,6 +120,8 @@ def main() -> None:
     p.add_argument("--mean-gap", type=float, default=4.0, help="mean engine steps between arrivals")
     p.add_argument("--budget-mb", type=float, default=12.0, help="K/V bytes both engines may hold (MB)")
     p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument("--admission", choices=("ratio", "bytes"), default="ratio",
+                   help="kvtopo admitted by target_ratio x the engine's blocks, or by its measured bytes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving.json"))
     args = p.parse_args()
@@ -117,6 +129,7 @@ def main() -> None:
     from kvtopo.config import Config
     from kvtopo.models import zoo
     from kvtopo.runtime.session import Session
+    from kvtopo.serving.continuous_batching import ledger_blocks
 
     torch.manual_seed(0)
     model = zoo.build("llama")
@@ -129,6 +142,9 @@ def main() -> None:
     plans = stream(args.requests, args.min_prompt, args.max_prompt, args.new_tokens, args.mean_gap,
                    model.config.vocab_size, args.seed)
     compressed = Config()
+    by_bytes = args.admission == "bytes"
+    ledger = ledger_blocks([len(prompt) + new for _, _, prompt, new in plans], BLOCK)
+    load_before = os.getloadavg()
     print(f"{args.requests} requests of {args.min_prompt}-{args.max_prompt} tokens + {args.new_tokens}; budget "
           f"{budget / 1e6:.1f} MB = {blocks} blocks of {BLOCK} tokens ({per_token} B/token in the engine's cache)",
           flush=True)
@@ -136,16 +152,17 @@ def main() -> None:
     runs = {}
     for name, session, num_blocks in (
             ("transformers paged cache", None, blocks),
-            ("kvtopo lossless", Session(Config.lossless()), blocks),
+            ("kvtopo lossless", Session(Config.lossless()), ledger if by_bytes else blocks),
             (f"kvtopo Config() (target_ratio={compressed.target_ratio:g})", Session(compressed),
-             int(blocks * compressed.target_ratio))):
+             ledger if by_bytes else int(blocks * compressed.target_ratio))):
         # The engine's own cache is allocated whole: it holds the budget from the start.
         model = zoo.build("llama")
         if session is None:
             row = run_engine(model, plans, num_blocks, args.max_batch_tokens, kv_bytes=blocks * BLOCK * per_token)
         else:
             with session:
-                row = run_engine(model, plans, num_blocks, args.max_batch_tokens, session=session)
+                row = run_engine(model, plans, num_blocks, args.max_batch_tokens, session=session,
+                                 kv_budget_bytes=budget if by_bytes else None)
         row["engine_blocks"] = num_blocks
         row["within_budget"] = row["peak_kv_bytes"] <= budget
         runs[name] = row
@@ -156,8 +173,13 @@ def main() -> None:
     own, lossless = runs["transformers paged cache"], runs["kvtopo lossless"]
     same = own["tokens"] == lossless["tokens"]
     print(f"lossless tokens equal the engine's own: {same}")
+    for row in runs.values():
+        row["vs_engine"] = {"concurrent": round(row["peak_concurrent"] / own["peak_concurrent"], 2),
+                            "decode_tokens_per_s": round(row["decode_tokens_per_s"] / own["decode_tokens_per_s"], 2)}
     result = {"model": "zoo llama (float32, CPU)", "args": vars(args), "budget_bytes": budget,
-              "lossless_tokens_equal": same,
+              "engine_blocks_for_budget": blocks, "lossless_tokens_equal": same,
+              "load_avg_before": [round(x, 2) for x in load_before],
+              "load_avg_after": [round(x, 2) for x in os.getloadavg()],
               "runs": {name: {k: v for k, v in row.items() if k != "tokens"} for name, row in runs.items()}}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
