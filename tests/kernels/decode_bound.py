@@ -13,3 +13,9 @@ def error_bound(q, segs, scale: float) -> float:
     qg = q.double().abs().reshape(hkv, -1, d)
     logit_mass = (scale * qg @ k.abs().transpose(1, 2)).max().item()
     return 4 * U * ((2 * d + 8) * logit_mass + n + 64) * v.abs().max().item()
+
+
+def capped_bound(q, segs, scale: float, softcap: float | None) -> float:
+    """``error_bound`` plus what the softcap's tanh adds (a few ulps of ``softcap`` per logit)."""
+    v_max = explicit_kv(segs)[1].abs().max().item()
+    return error_bound(q, segs, scale) + 4 * U * 8 * (softcap or 0.0) * v_max

@@ -30,7 +30,7 @@ from kvtopo.runtime import decode_view
 from kvtopo.runtime import session as session_mod
 from kvtopo.runtime.session import _history_partials
 
-from decode_bound import U, error_bound
+from decode_bound import capped_bound, error_bound
 from segments import decode_on_threads, synthetic_segments
 
 CAPS = (5.0, 20.0, 50.0)
@@ -45,11 +45,6 @@ def capped_attention_f64(q, segs, scale, softcap):
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     return (torch.softmax(logits, -1) @ v).reshape(q.shape[0], -1)
-
-
-def capped_bound(q, segs, scale, softcap) -> float:
-    v_max = explicit_kv(segs)[1].abs().max().item()
-    return error_bound(q, segs, scale) + 4 * U * 8 * (softcap or 0.0) * v_max
 
 
 SEGMENTS = {

@@ -23,7 +23,8 @@ import torch
 from kvtopo.kernels import cpu_decode, triton_decode
 
 from segments import synthetic_segments
-from test_softcap_decode import CAPS, SEGMENTS, capped_attention_f64, capped_bound
+from decode_bound import capped_bound
+from test_softcap_decode import CAPS, SEGMENTS, capped_attention_f64
 
 in_process = pytest.mark.skipif(PREIMPORTED, reason="triton was imported without the interpreter: "
                                 "covered by test_softcap_in_fresh_interpreter_process")

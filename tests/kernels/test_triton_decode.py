@@ -41,9 +41,8 @@ from kvtopo.kernels.decode_reference import reference_decode
 from kvtopo.kernels.quant import quantize
 from kvtopo.runtime import decode_view
 
-from decode_bound import error_bound
+from decode_bound import capped_bound, error_bound
 from segments import synthetic_segments
-from test_softcap_decode import capped_bound
 
 in_process = pytest.mark.skipif(PREIMPORTED, reason="triton was imported without the interpreter: "
                                 "covered by test_in_fresh_interpreter_process")

@@ -25,7 +25,7 @@ from kvtopo.runtime import decode_view
 from kvtopo.runtime.session import _history_partials
 
 from segments import decode_on_threads, synthetic_segments, unprojected_mid
-from test_softcap_decode import capped_bound
+from decode_bound import capped_bound
 
 
 def test_decode_equals_dequantized_pages():

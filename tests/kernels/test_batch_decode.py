@@ -1,0 +1,124 @@
+"""One decode call for a batch of sequences (``decode_attention_batch``) equals each sequence on
+its own: every row within the float32 bound of the float64 reference on that sequence's stored
+codes, and close to the one-sequence call, for batches whose sequences differ in length and in
+which phases they hold (with or without Mid, projected or unprojected Mid, Mid epochs, empty
+Recent), with GQA, softcap, one or two threads, and without the C kernel (torch fallback)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtopo.kernels import cpu_decode, fast_decode
+from kvtopo.kernels.decode_reference import reference_decode
+
+from decode_bound import capped_bound
+from segments import synthetic_segments
+
+
+@st.composite
+def batches(draw):
+    """Sequences sharing one layer's shape and Recent encoding, each with its own phases."""
+    kv_heads = draw(st.sampled_from([1, 2, 3]))
+    group = draw(st.sampled_from([1, 4]))
+    d = draw(st.sampled_from([32, 64]))
+    page = draw(st.sampled_from([4, 8]))
+    recent_bits, mid_bits = draw(st.sampled_from([4, 8])), draw(st.sampled_from([2, 4, 8]))
+    sequences = []
+    for _ in range(draw(st.integers(1, 5))):
+        exact = draw(st.sampled_from([0, 1, 5, 17]))
+        recent_pages = draw(st.integers(0, 2))
+        mid_rows = tuple(draw(st.lists(st.integers(0, page), min_size=0, max_size=30))) or (0,)
+        if exact + recent_pages + sum(mid_rows) == 0:
+            exact = 1
+        sequences.append(dict(
+            kv_heads=kv_heads, group=group, dk=d, dv=d, exact=exact, recent_pages=recent_pages, page_size=page,
+            mid_page_rows=mid_rows, recent_bits=recent_bits, mid_bits=mid_bits,
+            projected=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+            exact_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16]))))
+    return sequences
+
+
+def _queries(segs, hq: int, d: int, seed: int, gain: float = 1.0):
+    return gain * torch.randn(len(segs), hq, d, generator=torch.Generator().manual_seed(seed))
+
+
+def _with_epoch(segs, seed: int):
+    """The segments with one more (earlier) Mid epoch, as topo keeps after a refit."""
+    epoch = synthetic_segments(kv_heads=segs.kv_heads, group=1, dk=64, dv=64, exact=0, recent_pages=0,
+                               mid_page_rows=(8, 5) * 40, seed=seed).mid
+    return dataclasses.replace(segs, retired=(epoch,))
+
+
+def _check_rows(q, segs, out, scale, softcap):
+    for b, s in enumerate(segs):
+        ref = reference_decode(q[b], s, scale, softcap=softcap)
+        err = (out[b].double() - ref).abs().max().item()
+        bound = capped_bound(q[b], s, scale, softcap)
+        assert err <= bound, (b, err, bound)
+        alone = fast_decode.decode_attention(q[b], s, scale, softcap=softcap)
+        torch.testing.assert_close(out[b], alone, rtol=1e-5, atol=1e-5 * alone.abs().max().item())
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases=batches(), threads=st.sampled_from([1, 2]), softcap=st.sampled_from([None, 5.0]))
+def test_batch_rows_match_float64_reference_and_single_calls(cases, threads, softcap):
+    segs = [synthetic_segments(**case) for case in cases]
+    q = _queries(segs, cases[0]["kv_heads"] * cases[0]["group"], cases[0]["dk"], cases[0]["seed"], gain=3.0)
+    scale = cases[0]["dk"] ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = fast_decode.decode_attention_batch(q, segs, scale, softcap=softcap)
+    finally:
+        torch.set_num_threads(before)
+    assert out.shape == (len(segs), q.shape[1], cases[0]["dv"]) and torch.isfinite(out).all()
+    _check_rows(q, segs, out, scale, softcap)
+
+
+def _mixed_batch():
+    """Long and short sequences: several 1024-row splits, one page of Mid, no Mid, a Mid epoch."""
+    common = dict(kv_heads=2, group=4, dk=64, dv=64, page_size=8)
+    segs = [
+        synthetic_segments(**common, exact=9, recent_pages=2, mid_page_rows=(8, 7, 8) * 100, seed=1),
+        synthetic_segments(**common, exact=3, recent_pages=0, mid_page_rows=(5,), seed=2, projected=False),
+        synthetic_segments(**common, exact=33, recent_pages=1, mid_page_rows=(0,), seed=3),
+        _with_epoch(synthetic_segments(**common, exact=1, recent_pages=2, mid_page_rows=(8,) * 200, seed=4,
+                                       projected=False), seed=5),
+    ]
+    return segs, _queries(segs, 8, 64, seed=6, gain=3.0), 0.125
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_mixed_lengths_and_codings(softcap):
+    segs, q, scale = _mixed_batch()
+    out = fast_decode.decode_attention_batch(q, segs, scale, softcap=softcap)
+    _check_rows(q, segs, out, scale, softcap)
+
+
+def test_rows_are_independent_of_their_batch():
+    """A sequence's row does not depend on which sequences share its batch (padding is masked)."""
+    segs, q, scale = _mixed_batch()
+    out = fast_decode.decode_attention_batch(q, segs, scale)
+    pair = fast_decode.decode_attention_batch(q[[3, 1]], [segs[3], segs[1]], scale)
+    torch.testing.assert_close(pair, out[[3, 1]], rtol=1e-6, atol=1e-6)
+
+
+def test_fallback_without_c_kernel_equals_c_kernel(monkeypatch):
+    assert cpu_decode.c_kernel_available()
+    segs, q, scale = _mixed_batch()
+    fast = fast_decode.decode_attention_batch(q, segs, scale, softcap=20.0)
+    monkeypatch.setattr(cpu_decode, "mid_kernel", lambda: None)
+    slow = fast_decode.decode_attention_batch(q, segs, scale, softcap=20.0)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5 * slow.abs().max().item())
+
+
+def test_recent_codes_of_one_batch_share_their_encoding():
+    common = dict(kv_heads=1, group=1, dk=32, dv=32, exact=1, recent_pages=1, mid_page_rows=(0,))
+    segs = [synthetic_segments(**common, recent_bits=8), synthetic_segments(**common, recent_bits=4)]
+    with pytest.raises(ValueError, match="share bits"):
+        fast_decode.decode_attention_batch(torch.randn(2, 1, 32), segs, 0.2)
