@@ -38,6 +38,25 @@ bases); "bytes_held" is the store's own accounting (session.stats(): pool slots,
 Methods are interleaved rep by rep (the machine is shared); each row reports the median and the
 minimum wall time and (with --threads 1) the median CPU time of the calling thread, which
 leaves out the time other jobs hold the core; ratios are quoted from each. Writes bench/results/decode_speed.json and .png.
+
+    python bench/decode_speed.py --batch 16 [--lengths 4096 32768] [--configs default 8x] [--threads 1]
+
+Batch mode: B sequences (each its own structured K/V) in one session's layer store, every one
+grown to each length in turn; one decode step of all B timed as
+
+  dense_fp32          one SDPA over the batch's uncompressed K/V [B, Hkv, L+1, d] (GQA folded);
+  dense_fp32_one      the same for sequence 0 alone (batch 1);
+  <config>_batched    `decode_view.attend_cache_batch`: every sequence's segments gathered, one
+                      batched decode call (one padded attention over exact + Recent, one C
+                      kernel call over every Mid segment);
+  <config>_singles    B calls of `decode_view.attend_cache`, one per sequence (batch 1, B times);
+  <config>_one        that call for sequence 0 alone (batch 1);
+  copy                `dst.copy_(src)` of a 256 MiB float32 buffer: the memory bandwidth this run
+                      sees (bytes of src per second), interleaved with the methods.
+
+"bytes" is what a step reads (the sum of DecodeSegments.nbytes; dense: its K/V); GB/s divide it
+by the minimum wall time and are set against the copy's. os.getloadavg() is recorded before and
+after each length. Writes bench/results/decode_speed_batch.json.
 """
 
 from __future__ import annotations
@@ -45,6 +64,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import time
@@ -71,6 +91,9 @@ CONFIGS = {
 TORCH_MID = ("default",)
 LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
 QUICK = [1024, 2048, 4096]
+BATCH_LENGTHS = [4096, 32768]
+BATCH_CONFIGS = ["default", "8x"]
+COPY_FLOATS = 64 << 20  # 256 MiB: far beyond the caches
 
 
 def structured_kv(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +144,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", type=Path, default=RESULTS / "decode_speed.json")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out's JSON")
+    ap.add_argument("--batch", type=int, help="batch mode: this many sequences (see the module docstring)")
+    ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), help=f"batch mode configs (default {BATCH_CONFIGS})")
     args = ap.parse_args()
+    if args.batch:
+        torch.set_num_threads(args.threads)
+        batch_main(args)
+        return
     if args.replot:
         plot(json.loads(args.out.read_text())["rows"], args.out.with_suffix(".png"))
         return
@@ -162,10 +191,7 @@ def main() -> None:
                              values[None, :, :first], None, SCALE)
                     start = first
                 cache = s.layers["layer0"]
-                for i in range(start, length, 4096):
-                    j = min(length, i + 4096)
-                    cache.observe(0, torch.randn(HQ, min(j - i, 32), D) * 0.3, HKV)
-                    cache.append(0, keys[:, i:j], values[:, i:j])
+                grow(cache, 0, keys, values, start, length)
                 held[name] = length
                 caches[name] = cache
                 stats = s.stats()
@@ -185,19 +211,7 @@ def main() -> None:
                 if name in TORCH_MID:
                     torch.testing.assert_close(torch_mid_step(cache, q, k_new, v_new), out, rtol=1e-4, atol=1e-5)
                     methods[f"{name}_torch"] = lambda c=cache: torch_mid_step(c, q, k_new, v_new)
-            times = {m: [] for m in methods}
-            for fn in methods.values():  # warm-up
-                fn()
-            for _ in range(args.reps):
-                for m, fn in methods.items():
-                    times[m].append(timed(fn))
-            for m, ts in times.items():
-                entry = row.setdefault(m.removeprefix("kvtopo_"), {})
-                wall, cpu = [t for t, _ in ts], [c for _, c in ts]
-                entry["median_ms"] = statistics.median(wall) * 1e3
-                entry["min_ms"] = min(wall) * 1e3
-                if args.threads == 1:
-                    entry["cpu_median_ms"] = statistics.median(cpu) * 1e3
+            run_interleaved(methods, row, args)
             rows.append(row)
             print(format_row(row), flush=True)
             del dense, dense_v, dense16, dense16_v
@@ -224,6 +238,150 @@ def main() -> None:
     print(json.dumps(summary, indent=2))
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def grow(cache, seq: int, keys: torch.Tensor, values: torch.Tensor, start: int, end: int) -> None:
+    """Append tokens [start, end) of one sequence to the layer store in 4096-token chunks, as
+    ``Session.attend`` stores them after attending (observe + append)."""
+    for i in range(start, end, 4096):
+        j = min(end, i + 4096)
+        cache.observe(seq, torch.randn(HQ, min(j - i, 32), D) * 0.3, HKV)
+        cache.append(seq, keys[:, i:j], values[:, i:j])
+
+
+def batch_main(args) -> None:
+    lengths = sorted(args.lengths or BATCH_LENGTHS)
+    names = args.configs or BATCH_CONFIGS
+    n, longest = args.batch, lengths[-1]
+    torch.manual_seed(0)
+    keys, values = torch.empty(n, HKV, longest + 1, D), torch.empty(n, HKV, longest + 1, D)
+    for b in range(n):  # each sequence its own data; its last token is the step's new token
+        keys[b], values[b] = structured_kv(longest + 1, seed=b)
+    k_new, v_new = keys[:, :, longest:].clone(), values[:, :, longest:].clone()  # [B, Hkv, 1, d]
+    q = torch.randn(n, HQ, 1, D) * 0.3
+    qg = q.reshape(n, HKV, HQ // HKV, D)
+    src, dst = torch.randn(COPY_FLOATS), torch.empty(COPY_FLOATS)
+    sessions = {name: kvtopo.session(CONFIGS[name]) for name in names}
+    rows, held = [], 0
+    for s in sessions.values():
+        s.__enter__()
+    try:
+        for length in lengths:
+            row = {"tokens": length, "load_before": os.getloadavg()}
+            if length == longest:
+                dense, dense_v = keys, values
+            else:
+                dense = torch.cat([keys[:, :, :length], k_new], 2)
+                dense_v = torch.cat([values[:, :, :length], v_new], 2)
+            methods = {
+                "dense_fp32": lambda: F.scaled_dot_product_attention(qg, dense, dense_v, scale=SCALE),
+                "dense_fp32_one": lambda: F.scaled_dot_product_attention(qg[:1], dense[:1], dense_v[:1], scale=SCALE),
+                "copy": lambda: dst.copy_(src),
+            }
+            row["dense_fp32"] = {"bytes": dense.nbytes + dense_v.nbytes}
+            row["dense_fp32_one"] = {"bytes": row["dense_fp32"]["bytes"] // n}
+            row["copy"] = {"bytes": src.nbytes}
+            for name, s in sessions.items():
+                build = time.perf_counter()
+                for b in range(n):
+                    if held == 0:
+                        s.attend_sequence("layer0", b, q[b].expand(HQ, 64, D), keys[b, :, :64], values[b, :, :64], SCALE)
+                    grow(s.layers["layer0"], b, keys[b], values[b], max(held, 64), length)
+                cache, seqs = s.layers["layer0"], list(range(n))
+                segs = [decode_view.decode_segments(cache, b, k_new[b], v_new[b]) for b in seqs]
+                batched = decode_view.attend_cache_batch(cache, seqs, q, k_new, v_new, SCALE)
+                singles = torch.stack([decode_view.attend_cache(cache, b, q[b], k_new[b], v_new[b], SCALE) for b in seqs])
+                torch.testing.assert_close(batched, singles, rtol=1e-5, atol=1e-6)
+                row[name] = {
+                    "ratio_vs_fp16": s.stats().ratio_vs_fp16,
+                    "bytes": sum(x.nbytes for x in segs),
+                    "mid_rows": [cache.sequences[b].mid.tokens if cache.sequences[b].mid else 0 for b in seqs],
+                    "rel_err_vs_float64_on_stored_max": max(
+                        rel_err(batched[b, :, 0], reference_decode(q[b, :, 0], segs[b], SCALE)) for b in seqs),
+                    "build_s": time.perf_counter() - build,
+                }
+                row[f"{name}_batched"] = {"bytes": row[name]["bytes"]}
+                row[f"{name}_singles"] = {"bytes": row[name]["bytes"]}
+                row[f"{name}_one"] = {"bytes": segs[0].nbytes}
+                methods[f"{name}_batched"] = lambda c=cache: decode_view.attend_cache_batch(c, seqs, q, k_new, v_new, SCALE)
+                methods[f"{name}_singles"] = lambda c=cache: [
+                    decode_view.attend_cache(c, b, q[b], k_new[b], v_new[b], SCALE) for b in seqs]
+                methods[f"{name}_one"] = lambda c=cache: decode_view.attend_cache(c, 0, q[0], k_new[0], v_new[0], SCALE)
+            held = length
+            run_interleaved(methods, row, args)
+            for entry in row.values():
+                if isinstance(entry, dict) and "min_ms" in entry:
+                    entry["GBps_at_min"] = entry["bytes"] / entry["min_ms"] / 1e6
+            for entry in row.values():
+                if isinstance(entry, dict) and "GBps_at_min" in entry:
+                    entry["fraction_of_copy_GBps"] = entry["GBps_at_min"] / row["copy"]["GBps_at_min"]
+            row["load_after"] = os.getloadavg()
+            rows.append(row)
+            print(format_batch_row(row, names), flush=True)
+            del dense, dense_v
+    finally:
+        for s in sessions.values():
+            s.__exit__(None, None, None)
+    summary = {r["tokens"]: {name: batch_summary(r, name) for name in names} for r in rows}
+    result = {
+        "benchmark": "decode_speed_batch",
+        "batch": n,
+        "layer": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D},
+        "configs": {name: {k: v for k, v in vars(CONFIGS[name]).items() if k in (
+            "policy", "page_size", "sink_tokens", "recent_tokens", "recent_bits", "mid_bits",
+            "key_energy", "value_energy", "target_ratio", "refit_after")} for name in names},
+        "threads": args.threads,
+        "reps": args.reps,
+        "c_kernel": cpu_decode.c_kernel_available(),
+        "cpus": os.cpu_count(),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__},
+        "rows": rows,
+        "summary": summary,
+    }
+    out = args.out if args.out != RESULTS / "decode_speed.json" else RESULTS / "decode_speed_batch.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {out}")
+
+
+def run_interleaved(methods: dict, row: dict, args) -> None:
+    """Time every method, interleaved rep by rep after one warm-up each, into row[method]."""
+    times = {m: [] for m in methods}
+    for fn in methods.values():
+        fn()
+    for _ in range(args.reps):
+        for m, fn in methods.items():
+            times[m].append(timed(fn))
+    for m, ts in times.items():
+        entry = row.setdefault(m.removeprefix("kvtopo_"), {})
+        wall, cpu = [t for t, _ in ts], [c for _, c in ts]
+        entry["median_ms"] = statistics.median(wall) * 1e3
+        entry["min_ms"] = min(wall) * 1e3
+        if args.threads == 1:
+            entry["cpu_median_ms"] = statistics.median(cpu) * 1e3
+
+
+def batch_summary(row: dict, name: str) -> dict:
+    """Ratios of one length and config: time of the other method / time of the batched call."""
+    batched = row[f"{name}_batched"]
+    stats = [s for s in ("min_ms", "median_ms", "cpu_median_ms") if s in batched]
+    return {
+        "singles_over_batched": {s: row[f"{name}_singles"][s] / batched[s] for s in stats},
+        "dense_fp32_over_batched": {s: row["dense_fp32"][s] / batched[s] for s in stats},
+        "dense_fp32_one_over_one": {s: row["dense_fp32_one"][s] / row[f"{name}_one"][s] for s in stats},
+        "batched_fraction_of_copy_GBps": batched["fraction_of_copy_GBps"],
+        "singles_fraction_of_copy_GBps": row[f"{name}_singles"]["fraction_of_copy_GBps"],
+        "dense_fp32_fraction_of_copy_GBps": row["dense_fp32"]["fraction_of_copy_GBps"],
+    }
+
+
+def format_batch_row(row: dict, names: list[str]) -> str:
+    parts = [f"{row['tokens']:>6} tok, load {row['load_before'][0]:.1f}->{row['load_after'][0]:.1f}"]
+    for m in ("copy", "dense_fp32", "dense_fp32_one", *(f"{n}_{k}" for n in names for k in ("batched", "singles", "one"))):
+        e = row[m]
+        parts.append(f"{m} {e['min_ms']:7.2f} ms min ({e['GBps_at_min']:5.2f} GB/s)")
+    return " | ".join(parts)
 
 
 def format_row(row: dict) -> str:

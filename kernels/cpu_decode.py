@@ -1,15 +1,19 @@
-"""Decode attention (one query token) on CPU over DecodeSegments.
+"""Decode attention (one query token per sequence) on CPU over DecodeSegments, for a batch of
+sequences in one call (``cpu_decode_batch``; one sequence is a batch of one).
 
-Exact and Recent segments are a few pages: plain torch ops. The Mid segment (where the bytes
-are) runs in a small C++ kernel (kernels/csrc/mid_decode.cpp) built once per source, compiler
-flags and CPU by ``torch.utils.cpp_extension`` and cached by it. The kernel releases the GIL, so
-splits of rows run on torch's thread count of Python threads. For each split of 1024 rows and
+Exact and Recent segments are a few pages per sequence: every sequence's exact tokens and decoded
+Recent tokens go into one buffer padded to the longest, attended by torch at once with the
+padding masked. The Mid segments (where the bytes are) of all sequences run in one call of a
+small C++ kernel (kernels/csrc/mid_decode.cpp) built once per source, compiler flags and CPU by
+``torch.utils.cpp_extension`` and cached by it. The kernel releases the GIL and runs its work
+items, (sequence's Mid segment, split of 1024 rows), on torch's thread count of its own threads,
+each thread a run of items holding about the same number of rows. For each split and
 every kv-head at once it unpacks each row's packed codes in registers, folds the page's key
 statistics into the projected query (q_r * scale_r, q . offset: recomputed only when the page
 changes), so a logit is one short dot with the raw codes; a two-pass softmax within the split
 then accumulates the weighted value *codes* per page and applies the page's value statistics
-once per page. Splits and segments are merged by log-sum-exp; the Mid output is projected back
-(``@ B_v^T + mean_v``) once per query head. No [N, C] float matrix is ever built: the kernel
+once per page. A segment's splits are merged by log-sum-exp and its output projected back
+(``@ B_v^T + mean_v``) once per query head; the segments of all sequences are merged at once. No [N, C] float matrix is ever built: the kernel
 reads N * C * bits / 8 bytes of codes plus one statistics row per page. An unprojected Mid
 (KIVI-style codes of the keys/values themselves) is the same computation on an identity basis:
 the query projection and the back-projection are skipped, and its per-token value statistics
@@ -152,33 +156,29 @@ def _dense_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
     to the longest sequence and attended at once with the padding masked (None: no such tokens)."""
     recents = [s.recent for s in segs if s.recent is not None and s.recent.tokens]
     decoded = RecentCodes.concat(recents).decode() if recents else None
-    keys, values, lengths, at = [], [], [], 0
+    pieces, lengths, at = [], [], 0  # per sequence: its (keys, values) pieces
     for s in segs:
-        n = 0
-        if s.exact is not None and s.exact[0].shape[1]:
-            keys.append(s.exact[0])
-            values.append(s.exact[1])
-            n += s.exact[0].shape[1]
+        own = [s.exact] if s.exact is not None and s.exact[0].shape[1] else []
         if s.recent is not None and s.recent.tokens:
-            keys.append(decoded[0][:, at: at + s.recent.tokens])
-            values.append(decoded[1][:, at: at + s.recent.tokens])
+            own.append((decoded[0][:, at: at + s.recent.tokens], decoded[1][:, at: at + s.recent.tokens]))
             at += s.recent.tokens
-            n += s.recent.tokens
-        lengths.append(n)
+        pieces.append(own)
+        lengths.append(sum(k.shape[1] for k, _ in own))
     longest = max(lengths)
     if longest == 0:
         return None
     batch, hq, _ = q.shape
-    hkv = keys[0].shape[0]
+    first = next(own[0] for own in pieces if own)
+    hkv = first[0].shape[0]
+    padded = [q.new_zeros(hkv, batch, longest, x.shape[-1], dtype=torch.float32) for x in first]
+    for b, own in enumerate(pieces):
+        start = 0
+        for k, v in own:  # copied (and converted to float32) straight into the padded buffers
+            padded[0][:, b, start: start + k.shape[1]] = k
+            padded[1][:, b, start: start + k.shape[1]] = v
+            start += k.shape[1]
+    padded = [x.view(hkv * batch, longest, -1) for x in padded]
     n = torch.tensor(lengths)
-    starts = torch.arange(batch) * longest
-    slot = torch.arange(int(n.sum())) + torch.repeat_interleave(starts - (torch.cumsum(n, 0) - n), n)
-    padded = []
-    for side in (keys, values):
-        flat = torch.cat(side, 1).float()  # [Hkv, all tokens, d]
-        buffer = flat.new_zeros(hkv, batch * longest, flat.shape[-1])
-        buffer.index_copy_(1, slot.to(flat.device), flat)
-        padded.append(buffer.view(hkv * batch, longest, -1))
     visible = (torch.arange(longest) < n[:, None]).to(q.device)  # [B, L]
     mask = visible[None].expand(hkv, batch, longest).reshape(hkv * batch, 1, 1, longest)
     # rows ordered (kv-head, sequence, group): each (kv-head, sequence) pair is one "kv-head" here

@@ -78,16 +78,15 @@ def decode_segments(cache: LayerCache, seq: int, k_new: Tensor | None = None, v_
     """DecodeSegments of sequence ``seq`` in a ``LayerCache``, plus the step's new
     k/v [Hkv, 1, d] appended to the exact segment (the new token sees itself)."""
     entry = cache.sequences.get(seq)
-    exact = None
+    ks, vs = [], []
     if entry is not None and entry.length:
+        pool = cache.pool
         exact_pages = [p for p in entry.pages if p.slot is not None]
-        if exact_pages:
-            pool = cache.pool
-            ks = [pool.keys[p.slot, :, : p.tokens] for p in exact_pages]
-            vs = [pool.values[p.slot, :, : p.tokens] for p in exact_pages]
-            exact = (torch.cat(ks, 1), torch.cat(vs, 1))
+        ks = [pool.keys[p.slot, :, : p.tokens] for p in exact_pages]
+        vs = [pool.values[p.slot, :, : p.tokens] for p in exact_pages]
     if k_new is not None:
-        exact = (k_new, v_new) if exact is None else (torch.cat([exact[0], k_new], 1), torch.cat([exact[1], v_new], 1))
+        ks, vs = ks + [k_new], vs + [v_new]
+    exact = (torch.cat(ks, 1), torch.cat(vs, 1)) if ks else None  # one copy of the exact pages
     if entry is None:
         return DecodeSegments(exact=exact)
     recent_pages = [(p.recent.keys, p.recent.values) for p in entry.pages if p.recent is not None]
