@@ -18,13 +18,14 @@ and sampling) runs unchanged. kvtopo replaces two things through the engine's ow
 * the cache: `KvtopoPagedCache`, a `PagedAttentionCache` whose `update` stores nothing (the new
   keys/values go to attention as they are) and whose physical tensor is dropped (a meta tensor).
   It admits requests by kvtopo's bytes when given a K/V byte budget (`kv_budget_bytes`, below);
-  without one, by the engine's own block ledger of logical tokens (`num_blocks`). The cache records, in the order the
-  engine packs them, which request each span of the next forward belongs to (the engine reports it
-  through `extend_read_and_write_indices` / `fill_block_table`), maps each request id to a kvtopo
-  sequence id, and releases the request's pages in every layer (`Session.release`) when the engine
-  frees its blocks: when it finishes, is cancelled, or is evicted (offloaded and later re-prefilled
-  from scratch). Every layer of the session has one `PagePool`, shared by all requests; a released
-  slot goes back on its free list and is the next one handed out.
+  without one, by the engine's own block ledger of logical tokens (`num_blocks`). The cache
+  records, in the order the engine packs them, which request each span of the next forward
+  belongs to (the engine reports it through `extend_read_and_write_indices` /
+  `fill_block_table`), maps each request id to a kvtopo sequence id, and releases the request's
+  pages in every layer (`Session.release`) when the engine frees its blocks: when it finishes, is
+  cancelled, or is evicted (offloaded and later re-prefilled from scratch). Every layer of the
+  session has one `PagePool`, shared by all requests; a released slot goes back on its free list
+  and is the next one handed out.
 
 Admission by bytes (`kv_budget_bytes`: the bytes all requests' K/V may take together, as
 `Session.stats().total_bytes` counts them: live and free pool slots, codes, metadata). The engine's
@@ -47,8 +48,8 @@ half-precision model) for whatever it becomes (a Recent code, Mid rows, attentio
 than the exact page), plus the pool slots the sequence can hold exact at its new length (the
 lifecycle's Initial/Terminal pages, and Recent/Mid ones when they stay exact), priced by the pool's
 own growth rule (free slots first, then steps of an eighth), plus a new sequence's observation
-window and, for projecting policies, a new Mid epoch's bases. An 8K-token prompt chunk is charged
-about its exact size until it settles, then held at the compressed size: admission is bounded by
+window and, for projecting policies, a new Mid epoch's bases. A prompt chunk is charged about
+its exact size until it settles, then held at the compressed size: admission is bounded by
 the prefill chunk in flight, not by a guessed ratio. Lossless pages never re-encode: their slots
 alone are charged.
 
@@ -162,11 +163,10 @@ class _Growth:
 
     def exact_pages(self, pages: int) -> int:
         """Pages the lifecycle holds in exact pool slots when a sequence has `pages` pages."""
-        if self.mid.identity and self.recent_bits is None:
-            return pages
         exact = pages - (0 if self.mid.identity else self.plan.mid_pages(pages))
-        if self.recent_bits is not None:
-            exact -= sum(self.plan.phase(i, pages) is Phase.RECENT for i in range(max(0, pages - 1 - self.plan.recent_pages), pages - 1))
+        if self.recent_bits is not None:  # the Recent pages, just before the Terminal one, are codes
+            behind = range(max(0, pages - 1 - self.plan.recent_pages), pages - 1)
+            exact -= sum(self.plan.phase(i, pages) is Phase.RECENT for i in behind)
         return exact
 
     def new_slots(self, pool, promised: int, slots: int) -> int | None:
@@ -183,7 +183,8 @@ class _Growth:
             grown = bigger
         return grown - capacity
 
-    def of(self, seq: int | None, past: int, tokens: int, promised: dict[str, int]) -> tuple[int, dict[str, int]] | None:
+    def of(self, seq: int | None, past: int, tokens: int,
+           promised: dict[str, int]) -> tuple[int, dict[str, int]] | None:
         """(bytes, pool slots per layer) that appending `tokens` after `past` to sequence `seq`
         (None: not stored yet) can add, after the `promised` slots of other scheduled appends;
         None when a pool at `max_pages` cannot hold them."""
@@ -431,8 +432,8 @@ class KvtopoBatchingManager(continuous_api.ContinuousBatchingManager):
                 raise ValueError(f"kv_budget_bytes must be a positive number of bytes, got {kv_budget_bytes}")
             if continuous_batching_config is None or continuous_batching_config.num_blocks is None:
                 raise ValueError("with kv_budget_bytes the engine's block ledger must be sized by hand "
-                                 "(ContinuousBatchingConfig.num_blocks: logical tokens / page_size, enough not to bind); "
-                                 "transformers would size it from free device memory")
+                                 "(ContinuousBatchingConfig.num_blocks: logical tokens / page_size, enough not to "
+                                 "bind; see ledger_blocks); transformers would size it from free device memory")
         text_config = model.config.get_text_config()
         layer_types = set(group_layers_by_attn_type(text_config))
         if layer_types != {FULL_ATTENTION}:
