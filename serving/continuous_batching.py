@@ -13,7 +13,9 @@ and sampling) runs unchanged. kvtopo replaces two things through the engine's ow
 * attention: `kvtopo_paged`, registered in transformers' `AttentionInterface`. The engine packs the
   new tokens of every scheduled request into one flat batch [1, heads, tokens, dim] with cumulative
   query lengths (`cu_seq_lens_q`); for each request's span of it, kvtopo attends over that
-  request's history in the kvtopo session and appends the span's keys/values to it
+  request's history in the kvtopo session and appends the span's keys/values to it: the
+  single-token spans (decode steps) of all requests together, in one `Session.attend_sequences`
+  call per layer (one batched decode kernel), each prefill chunk on its own
   (`Session.attend_sequence`);
 * the cache: `KvtopoPagedCache`, a `PagedAttentionCache` whose `update` stores nothing (the new
   keys/values go to attention as they are) and whose physical tensor is dropped (a meta tensor).
@@ -217,6 +219,11 @@ class _Growth:
         return entry.next_refit is not None and length >= entry.next_refit
 
 
+def _rows(packed: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """The tokens at positions `at` of a packed [1, H, T, d] batch as rows [N, H, 1, d]."""
+    return packed[0][:, at].transpose(0, 1)[:, :, None]
+
+
 @dataclass(frozen=True)
 class _Span:
     """One request's tokens in the packed forward: kvtopo sequence, engine past length, token count."""
@@ -348,8 +355,8 @@ class KvtopoPagedCache(PagedAttentionCache):
                                f"{total} tokens of the {len(spans)} requests the engine packed for it")
         sinks = getattr(module, "sinks", None)
         out = query.new_zeros(query.shape[2], query.shape[1], value.shape[-1])
-        start = 0
         store = self.session.layers.get(layer)
+        starts, start = [], 0
         for span in spans:
             held = store.length(span.seq) if store is not None else 0
             if held != span.past:
@@ -357,12 +364,21 @@ class KvtopoPagedCache(PagedAttentionCache):
                     f"request {span.request_id!r} continues at token {span.past} but kvtopo holds {held} tokens of its "
                     f"sequence {span.seq} in layer {layer}: the engine restored or shared a history kvtopo never "
                     "stored (prefix sharing or CPU offloading must stay off)")
-            end = start + span.tokens
-            out[start:end] = self.session.attend_sequence(
-                layer, span.seq, query[0, :, start:end], key[0, :, start:end], value[0, :, start:end], scale,
-                softcap=softcap, sinks=sinks).transpose(0, 1)
-            store = self.session.layers[layer]
-            start = end
+            starts.append(start)
+            start += span.tokens
+        # Every single-token span in one call, so that the decode steps among them share one batched kernel.
+        decodes = [i for i, span in enumerate(spans) if span.tokens == 1]
+        if decodes:
+            at = torch.tensor([starts[i] for i in decodes], device=query.device)
+            out[at] = self.session.attend_sequences(
+                layer, [spans[i].seq for i in decodes], *(_rows(x, at) for x in (query, key, value)), scale,
+                softcap=softcap, sinks=sinks)[:, :, 0]
+        for span, start in zip(spans, starts):
+            if span.tokens > 1:
+                end = start + span.tokens
+                out[start:end] = self.session.attend_sequence(
+                    layer, span.seq, query[0, :, start:end], key[0, :, start:end], value[0, :, start:end], scale,
+                    softcap=softcap, sinks=sinks).transpose(0, 1)
         return out[None]
 
     # -- requests leaving ----------------------------------------------------------------------------

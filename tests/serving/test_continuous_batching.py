@@ -34,12 +34,27 @@ def _reference(model, prompt, new_tokens):
     return out[0, len(prompt):].tolist()
 
 
-def test_lossless_tokens_equal_the_engines_own_paged_cache():
+def test_lossless_tokens_equal_the_engines_own_paged_cache(monkeypatch):
+    """Same tokens as the engine's own cache; every forward attends its decode steps in one
+    `attend_sequences` call per layer, and no single-token span alone."""
     model = zoo.build("llama")
     prompts = _prompts((40, 75, 13, 130))
     own = model.generate_batch(prompts, generation_config=GREEDY, max_new_tokens=12,
                                continuous_batching_config=_engine())
     session = Session(Config.lossless())
+    forwards, batched, single = [], [], []
+    start_forward = continuous_batching.KvtopoPagedCache._start_forward
+
+    def recording_start(cache):
+        start_forward(cache)
+        forwards.append([span.seq for span in cache._spans if span.tokens == 1])
+
+    monkeypatch.setattr(continuous_batching.KvtopoPagedCache, "_start_forward", recording_start)
+    attend_sequences, attend_sequence = session.attend_sequences, session.attend_sequence
+    session.attend_sequences = lambda layer, seqs, *a, **kw: batched.append((layer, list(seqs))) or attend_sequences(
+        layer, seqs, *a, **kw)
+    session.attend_sequence = lambda layer, seq, q, *a, **kw: single.append(q.shape[1]) or attend_sequence(
+        layer, seq, q, *a, **kw)
     result = generate_batch(model, prompts, max_new_tokens=12, generation_config=GREEDY,
                             continuous_batching_config=_engine(), session=session)
 
@@ -47,6 +62,10 @@ def test_lossless_tokens_equal_the_engines_own_paged_cache():
     for request_id, out in result.outputs.items():
         assert len(out.generated_tokens) == 12
         assert out.generated_tokens == own[request_id].generated_tokens, request_id
+    layers = [str(i) for i in range(model.config.num_hidden_layers)]
+    assert batched == [(layer, seqs) for seqs in forwards if seqs for layer in layers]
+    assert max(len(seqs) for seqs in forwards) == len(prompts)  # all four decoded in one forward
+    assert single and min(single) > 1
     # The kvtopo run went through kvtopo's store: every layer held every request at its peak.
     assert len(result.peak.per_layer) == model.config.num_hidden_layers
     assert result.peak.total_bytes > 0
