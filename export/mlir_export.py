@@ -55,7 +55,10 @@ def _stderr_to(path: str):
         os.close(saved)
 
 
-def lower(module: torch.nn.Module, args, output_type: str, func_name: str, dynamic_shapes=None) -> str:
+def lower(module: torch.nn.Module | torch.export.ExportedProgram, args, output_type: str, func_name: str,
+          dynamic_shapes=None) -> str:
+    """`module` (traced by torch.export with `args` and `dynamic_shapes`) or an ExportedProgram
+    (`args` and `dynamic_shapes` unused) as MLIR text of `output_type`, entry `func_name`."""
     from torch_mlir import fx
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,8 +85,10 @@ def export_mlir_files(model, out_dir, config, max_context: int, output_types=OUT
     layout, graphs = export_graphs(model, config, max_context, tokens, profile)
     paths = {}
     for name, (module, args, dynamic) in graphs.items():
+        with torch.no_grad():  # traced once, lowered to each output type (torch-mlir copies it to decompose)
+            program = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
         for output_type in output_types:
-            text = lower(module, args, output_type, ENTRY[name], dynamic)
+            text = lower(program, args, output_type, ENTRY[name])
             if profile == "npu" and dynamic_signature(text, ENTRY[name]):
                 raise ValueError(f"the npu profile's {name} graph ({output_type}) has dynamic dimensions in its "
                                  f"signature: {dynamic_signature(text, ENTRY[name])}")
