@@ -3,8 +3,6 @@ and Mid pages occur."""
 
 import importlib
 
-import torch
-
 from kvtopo.config import Config
 from kvtopo.export.host_runner import HostRunner
 
@@ -26,33 +24,22 @@ CONFIG = Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=Non
                 prefill_chunk_size=64, key_energy=0.9, value_energy=0.9)
 
 
-def export_compressor(config: Config, out_dir, heads: int = 4, kv_heads: int = 2, dim: int = 16):
-    """The page compressor alone, for a one-layer layout of `config` (scale 0.25, max_context 256),
-    written to out_dir/compressor.onnx: -> (layout, the module, the file's path)."""
-    onnx_export = export_module("onnx_export")
-    layout = export_module("layout").CacheLayout.build(
-        config, 256, layer_names=["l0"], scales=[0.25], heads=heads, kv_heads=kv_heads, head_dim=dim,
-        value_head_dim=dim, vocab_size=32)
-    module, args, ep = onnx_export.compressor_program(layout)
-    path = out_dir / "compressor.onnx"
-    onnx_export._to_onnx(ep, args, path, *export_module("executors").graph_signature(layout, "compressor"))
-    return layout, module, path
-
-
 # The runtimes that execute the ONNX files (the MLIR runs on IREE: test_iree.py).
 ONNX_RUNTIMES = ("onnxruntime", "openvino")
 
 
-def assert_host_runner_matches_session(model, export_dir, config: Config, prompt: int, new: int,
-                                       runtimes=ONNX_RUNTIMES) -> dict[str, HostRunner]:
+def assert_host_runner_matches_session(session_references, name: str, export_dir, config: Config, prompt: int,
+                                       new: int, runtimes=ONNX_RUNTIMES) -> dict[str, HostRunner]:
     """Greedy generation of `new` tokens after a random `prompt`-token prompt through each of
-    `runtimes` (HostRunner over `export_dir`) and through the compiled model in a PyTorch session
+    `runtimes` (HostRunner over `export_dir`, an export of zoo model `name` under `config`) and
+    through the compiled model in a PyTorch session (the `session_references` fixture's run)
     agree: same tokens, logits within 2e-3, the same KV bytes held (the session's free pool slots
     aside). Returns the runners by runtime, for checks of what they hold."""
-    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
+    exported = config.replace(refit_after=None, eviction_scope="page")  # what the graphs do
+    ids, reference = session_references(name, exported, prompt, new)
     runners = {}
-    for a in export_module("check").compare_with_session(model, export_dir, runtimes, ids, new):
-        assert a.runner.config == config.replace(refit_after=None, eviction_scope="page")  # what the graphs do
+    for a in export_module("check").compare_with_session(None, export_dir, runtimes, ids, new, reference=reference):
+        assert a.runner.config == exported
         assert a.same_tokens, a.describe()
         # float32 runtime vs PyTorch (other summation orders) over 32 steps of a random-weight
         # model, same kept tokens on both sides: up to 1.3e-3 measured (onnxruntime, qwen3-moe).

@@ -24,14 +24,16 @@ EXPONENTIAL = re.compile(r"\bmath\.(exp|exp2|expm1|powf)\b")
 @pytest.fixture(scope="module")
 def llama_iree(tmp_path_factory):
     out = tmp_path_factory.mktemp("llama_iree")
-    model = zoo.build("llama")
-    paths = export_package().export_iree(model, out, config=CONFIG, max_context=PROMPT + NEW,
+    paths = export_package().export_iree(zoo.build("llama"), out, config=CONFIG, max_context=PROMPT + NEW,
                                          sources_dir=out / "sources")
-    return model, out, paths
+    return out, paths
 
 
-def _assert_matches_session(model, out, config):
-    runner = assert_host_runner_matches_session(model, out, config, PROMPT, NEW, runtimes=("iree",))["iree"]
+def _assert_matches_session(session_references, name, out, config):
+    """HostRunner on IREE against the PyTorch session (the same session run test_onnx's
+    onnxruntime and OpenVINO runs of the model and config are held to)."""
+    runner = assert_host_runner_matches_session(session_references, name, out, config, PROMPT, NEW,
+                                                runtimes=("iree",))["iree"]
     assert runner.executor.runtime == "iree"
     # Prefill chunks of 64 and single-token steps ran through the one dynamic-token module, and
     # every phase occurred with Mid pages kept whole, partly and not at all (the compressor ran).
@@ -40,10 +42,10 @@ def _assert_matches_session(model, out, config):
     assert 0 in kept and config.page_size in kept and any(0 < k < config.page_size for k in kept), kept
 
 
-def test_iree_host_runner_matches_session(llama_iree):
-    model, out, paths = llama_iree
+def test_iree_host_runner_matches_session(llama_iree, session_references):
+    out, paths = llama_iree
     assert Path(paths["decode_step.vmfb"]).stat().st_size > 0 and Path(paths["compressor.vmfb"]).stat().st_size > 0
-    _assert_matches_session(model, out, CONFIG)
+    _assert_matches_session(session_references, "llama", out, CONFIG)
 
 
 # Qwen3-MoE: expert routers (top-k without a sort); DeepSeek-V3: MLA (latent cache, keys-only compressor).
@@ -52,10 +54,9 @@ def test_iree_host_runner_matches_session(llama_iree):
 # in onnxruntime and OpenVINO.
 @pytest.mark.skipif(not os.environ.get("KVTOPO_FULL_EXPORT"), reason="IREE on MoE/MLA: set KVTOPO_FULL_EXPORT=1")
 @pytest.mark.parametrize("name,config", [("qwen3-moe", CONFIG), ("deepseek-v3", CONFIG.replace(layer_budget_bytes=22000))])
-def test_iree_moe_and_mla_match_session(name, config, tmp_path):
-    model = zoo.build(name)
-    export_package().export_iree(model, tmp_path, config=config, max_context=PROMPT + NEW)
-    _assert_matches_session(model, tmp_path, config)
+def test_iree_moe_and_mla_match_session(name, config, tmp_path, session_references):
+    export_package().export_iree(zoo.build(name), tmp_path, config=config, max_context=PROMPT + NEW)
+    _assert_matches_session(session_references, name, tmp_path, config)
 
 
 def _dispatch_sources(out: Path, graph: str) -> dict[str, str]:
@@ -65,7 +66,7 @@ def _dispatch_sources(out: Path, graph: str) -> dict[str, str]:
 
 
 def test_compressor_dispatches_are_exponential_free(llama_iree):
-    _, out, _ = llama_iree
+    out, _ = llama_iree
     compressor = _dispatch_sources(out, "compressor")
     assert all("hal.executable" in text for text in compressor.values())
     with_exp = [name for name, text in compressor.items() if EXPONENTIAL.search(text)]

@@ -13,8 +13,7 @@ from kvtopo.runtime.codecs import MidSegment, fit_bases
 from kvtopo.runtime.layer_cache import best_tokens
 from kvtopo.runtime.policies import ScoreInputs, make_policy
 
-from export_common import (CONFIG, assert_host_runner_matches_session, assert_openvino_supports_every_op, export_module,
-                           export_package)
+from export_common import CONFIG, assert_host_runner_matches_session, assert_openvino_supports_every_op, export_module
 
 PROMPT, NEW = 256, 32
 LATENT, ROPE = 32, 8  # the deepseek-v3 zoo model's kv_lora_rank and qk_rope_head_dim
@@ -29,10 +28,9 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("which", list(CONFIGS))
-def test_mla_host_runner_matches_session(which, tmp_path):
+def test_mla_host_runner_matches_session(which, onnx_export, session_references):
     config = CONFIGS[which]
-    model = zoo.build("deepseek-v3")
-    paths = export_package().export_onnx(model, tmp_path, config=config, max_context=PROMPT + NEW)
+    out, paths = onnx_export("deepseek-v3", config, PROMPT + NEW)
     decode = onnx.load(paths["decode_step"])
     assert not any(op.domain not in ("", "ai.onnx") for op in decode.opset_import)
     # The cache is the latent + RoPE key, one kv-head per layer; no values, no per-head K/V.
@@ -43,7 +41,8 @@ def test_mla_host_runner_matches_session(which, tmp_path):
     if which == "default":
         assert_openvino_supports_every_op(paths)
 
-    for runner in assert_host_runner_matches_session(model, tmp_path, config, PROMPT, NEW).values():
+    for runner in assert_host_runner_matches_session(session_references, "deepseek-v3", out, config, PROMPT,
+                                                     NEW).values():
         pages = [p for layer in runner.layers for p in layer.pages]
         assert {p.phase.value for p in pages} == {"initial", "mid", "recent", "terminal"}
         kept = [p.kept for p in pages if p.kept is not None]

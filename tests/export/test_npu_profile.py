@@ -9,10 +9,8 @@ import re
 import numpy as np
 import onnx
 import pytest
-import torch
 from onnx import TensorProto, helper
 
-from kvtopo.export.check import session_reference
 from kvtopo.export.host_runner import HostRunner
 from kvtopo.models import zoo
 
@@ -29,18 +27,16 @@ LOGIT_TOLERANCE = 8e-3
 
 
 @pytest.fixture(scope="module")
-def llama():
-    """(model to export, prompt, the float32 session's reference). The session runs on a second
-    build of the same (seeded) model: kvtopo.compile rewrites the one it is given in place."""
-    model = zoo.build("llama")
-    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(1))
-    return model, ids, session_reference(zoo.build("llama"), ids, NEW, SESSION_CONFIG)
+def llama(session_references):
+    """(prompt, the float32 session's reference) on the zoo Llama: what the ONNX and the IREE
+    exports of the profile are both held to."""
+    return session_references("llama", SESSION_CONFIG, PROMPT, NEW)
 
 
 def _assert_profile_matches_session(llama, out, runtimes):
-    model, ids, reference = llama
+    ids, reference = llama
     ref_tokens, ref_logits, ref_bytes = reference
-    for a in export_module("check").compare_with_session(model, out, runtimes, ids, NEW, reference=reference):
+    for a in export_module("check").compare_with_session(None, out, runtimes, ids, NEW, reference=reference):
         runner = a.runner
         assert runner.config == SESSION_CONFIG
         assert runner.layout.profile == "npu" and runner.layout.tokens == 1
@@ -56,9 +52,8 @@ def _assert_profile_matches_session(llama, out, runtimes):
         assert runner.forward(ids[0, :1].numpy()).dtype == np.float16  # float16 logits out
 
 
-def test_onnx_profile_is_static_and_matches_session(llama, tmp_path):
-    model = llama[0]
-    paths = export_package().export_onnx(model, tmp_path, config=CONFIG, max_context=PROMPT + NEW, profile="npu")
+def test_onnx_profile_is_static_and_matches_session(llama, onnx_export):
+    out, paths = onnx_export("llama", CONFIG, PROMPT + NEW, "npu")
     dynamic_dims = export_module("onnx_export").dynamic_dims
     for graph in ("decode_step", "compressor"):
         proto = onnx.load(paths[graph])
@@ -78,13 +73,13 @@ def test_onnx_profile_is_static_and_matches_session(llama, tmp_path):
     for graph in ("decode_step", "compressor"):
         ov_model = core.read_model(paths[graph])
         assert all(p.get_partial_shape().is_static for p in [*ov_model.inputs, *ov_model.outputs]), graph
-    _assert_profile_matches_session(llama, tmp_path, ("onnxruntime", "openvino"))
+    _assert_profile_matches_session(llama, out, ("onnxruntime", "openvino"))
 
-    runner = HostRunner(tmp_path)
+    runner = HostRunner(out)
     with pytest.raises(ValueError, match="exactly 1 token"):
         runner.forward(np.array([1, 2]))
     with pytest.raises(ValueError, match="prefill_chunk_size=1"):
-        HostRunner(tmp_path, config=SESSION_CONFIG.replace(prefill_chunk_size=64))
+        HostRunner(out, config=SESSION_CONFIG.replace(prefill_chunk_size=64))
     runner.position = PROMPT + NEW
     with pytest.raises(RuntimeError, match="max_context"):
         runner.forward(np.array([1]))
@@ -93,8 +88,8 @@ def test_onnx_profile_is_static_and_matches_session(llama, tmp_path):
 def test_iree_profile_is_static_and_matches_session(llama, tmp_path):
     pytest.importorskip("iree.compiler", reason="iree-base-compiler is not installed")
     pytest.importorskip("iree.runtime", reason="iree-base-runtime is not installed")
-    model = llama[0]
-    paths = export_package().export_iree(model, tmp_path, config=CONFIG, max_context=PROMPT + NEW, profile="npu")
+    paths = export_package().export_iree(zoo.build("llama"), tmp_path, config=CONFIG, max_context=PROMPT + NEW,
+                                         profile="npu")
     mlir = export_module("mlir_export")
     for graph in ("decode_step", "compressor"):
         text = open(paths[f"{graph}.torch"]).read()

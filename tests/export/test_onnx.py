@@ -1,6 +1,8 @@
 """ONNX export: onnxruntime and OpenVINO (HostRunner) against the PyTorch session, every op of
 both graphs supported by OpenVINO's CPU device, and the exp-free compressor."""
 
+from pathlib import Path
+
 import onnx
 import onnx.inliner
 import pytest
@@ -9,14 +11,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kvtopo.kernels.quant import unpack
-from kvtopo.models import zoo
 from kvtopo.runtime.codecs import MidSegment, fit_bases
 from kvtopo.runtime.layer_cache import best_tokens
 from kvtopo.export.host_runner import HostRunner
 from kvtopo.runtime.policies import ScoreInputs, make_policy
 
 from export_common import (CONFIG, assert_host_runner_matches_session, assert_openvino_supports_every_op,
-                           export_compressor, export_module, export_package)
+                           export_module, export_package)
 
 EXPONENTIAL_OPS = {"Exp", "Softmax", "LogSoftmax", "Sigmoid", "Tanh", "Erf"}
 PROMPT, NEW = 256, 32
@@ -39,16 +40,14 @@ def _op_types(model: onnx.ModelProto) -> set[str]:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3-moe"])
-def test_host_runner_matches_session(name, tmp_path):
-    kx = export_package()
-    model = zoo.build(name)
-    paths = kx.export_onnx(model, tmp_path, config=CONFIG, max_context=PROMPT + NEW)
+def test_host_runner_matches_session(name, onnx_export, session_references):
+    out, paths = onnx_export(name, CONFIG, PROMPT + NEW)
     for key in ("decode_step", "compressor"):
         onnx.checker.check_model(onnx.load(paths[key]), full_check=True)
         assert not any(op.domain not in ("", "ai.onnx") for op in onnx.load(paths[key]).opset_import)
     assert_openvino_supports_every_op(paths)
 
-    runners = assert_host_runner_matches_session(model, tmp_path, CONFIG, PROMPT, NEW)
+    runners = assert_host_runner_matches_session(session_references, name, out, CONFIG, PROMPT, NEW)
     for runner in runners.values():
         assert_every_phase_and_partial_eviction(runner)
     runner = runners["onnxruntime"]
@@ -56,11 +55,11 @@ def test_host_runner_matches_session(name, tmp_path):
     # would refit within the exported max_context is refused rather than run differently.
     assert runner.config.refit_after is None
     with pytest.raises(ValueError, match="refit_after"):
-        HostRunner(tmp_path, config=CONFIG.replace(refit_after=64))
+        HostRunner(out, config=CONFIG.replace(refit_after=64))
     # Its compressor ranks one page at a time: joint eviction over an append is refused likewise.
     assert runner.config.eviction_scope == "page"
     with pytest.raises(ValueError, match="eviction_scope"):
-        HostRunner(tmp_path, config=CONFIG.replace(refit_after=None, eviction_scope="append"))
+        HostRunner(out, config=CONFIG.replace(refit_after=None, eviction_scope="append"))
 
 
 def assert_every_phase_and_partial_eviction(runner):
@@ -72,8 +71,14 @@ def assert_every_phase_and_partial_eviction(runner):
 
 
 @pytest.fixture(scope="module")
-def compressor_file(tmp_path_factory):
-    return export_compressor(CONFIG, tmp_path_factory.mktemp("compressor"))
+def compressor_file(onnx_export):
+    """The zoo Llama export's page compressor (4 heads, 2 kv-heads, head dim 16, scale 0.25: the
+    shapes of the pages below), the file test_host_runner_matches_session runs: (layout, the
+    module, the file's path)."""
+    _, paths = onnx_export("llama", CONFIG, PROMPT + NEW)
+    layout = export_module("layout").CacheLayout.from_json(Path(paths["layout"]).read_text())
+    assert (layout.heads, layout.kv_heads, layout.head_dim, layout.scales[0]) == (4, 2, 16, 0.25)
+    return layout, export_module("onnx_export").compressor_module(layout), paths["compressor"]
 
 
 def _runtime_compress(keys, values, queries, keep, scale, kb, vb):

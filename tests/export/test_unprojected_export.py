@@ -4,18 +4,19 @@ channel, values per token and head, as `runtime.codecs.MidSegment` codes them. T
 compressor against the runtime's codes and statistics on random pages; onnxruntime and OpenVINO
 (HostRunner) against the PyTorch session, with and without a byte budget that evicts."""
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
 import torch
 
 from kvtopo.kernels.quant import unpack
-from kvtopo.models import zoo
 from kvtopo.runtime.codecs import MidSegment
 from kvtopo.runtime.layer_cache import best_tokens
 from kvtopo.runtime.policies import ScoreInputs, make_policy
 
-from export_common import CONFIG, assert_host_runner_matches_session, export_compressor, export_module, export_package
+from export_common import CONFIG, assert_host_runner_matches_session, export_module
 
 PROMPT, NEW = 256, 32
 UNPROJECTED = CONFIG.replace(key_energy=None, value_energy=None)
@@ -29,10 +30,9 @@ HEADS, KV_HEADS, DIM = 4, 2, 16
 
 
 @pytest.mark.parametrize("which", list(CONFIGS))
-def test_unprojected_host_runner_matches_session(which, tmp_path):
+def test_unprojected_host_runner_matches_session(which, onnx_export, session_references):
     config = CONFIGS[which]
-    model = zoo.build("llama")
-    paths = export_package().export_onnx(model, tmp_path, config=config, max_context=PROMPT + NEW)
+    out, paths = onnx_export("llama", config, PROMPT + NEW)
     layout = export_module("layout").CacheLayout.from_json(open(paths["layout"]).read())
     assert not layout.mid_projected and layout.mid_valid_only
     inputs = {i.name: i.type.tensor_type.shape.dim for i in onnx.load(paths["decode_step"]).graph.input}
@@ -40,7 +40,7 @@ def test_unprojected_host_runner_matches_session(which, tmp_path):
     # Mid rows and pages are dynamic axes: the host feeds what is held, not the capacity.
     assert all(inputs[f"{n}_0"][axis].dim_param for n, (axis, _) in export_module("decode_step").mid_axes(layout).items())
 
-    for runner in assert_host_runner_matches_session(model, tmp_path, config, PROMPT, NEW).values():
+    for runner in assert_host_runner_matches_session(session_references, "llama", out, config, PROMPT, NEW).values():
         pages = [p for layer in runner.layers for p in layer.pages]
         assert {p.phase.value for p in pages} == {"initial", "mid", "recent", "terminal"}
         assert any(p.recent is not None for p in pages) == (which != "kivi")
@@ -58,23 +58,28 @@ def test_unprojected_host_runner_matches_session(which, tmp_path):
         assert fed["mid_k_scale"].shape[1] == layer.mid_pages
 
 
-def test_unprojected_mla_host_runner_matches_session(tmp_path):
+def test_unprojected_mla_host_runner_matches_session(onnx_export, session_references):
     """DeepSeek-V3 (MLA): the latent + RoPE key coded per channel, values read from the codes."""
     config = UNPROJECTED.replace(layer_budget_bytes=22000)  # pages kept whole, partly and not at all
-    model = zoo.build("deepseek-v3")
-    paths = export_package().export_onnx(model, tmp_path, config=config, max_context=PROMPT + NEW)
+    out, paths = onnx_export("deepseek-v3", config, PROMPT + NEW)
     inputs = {i.name for i in onnx.load(paths["decode_step"]).graph.input}
     assert "mid_k_codes_0" in inputs and not [n for n in inputs if n.startswith(("mid_v", "key_", "value_"))]
     # onnxruntime only (OpenVINO runs the same ops in the Llama cases above), to keep the test short.
-    for runner in assert_host_runner_matches_session(model, tmp_path, config, PROMPT, NEW,
+    for runner in assert_host_runner_matches_session(session_references, "deepseek-v3", out, config, PROMPT, NEW,
                                                      runtimes=("onnxruntime",)).values():
         kept = [p.kept for layer in runner.layers for p in layer.pages if p.kept is not None]
         assert 0 in kept and config.page_size in kept and any(0 < k < config.page_size for k in kept), kept
 
 
 @pytest.fixture(scope="module")
-def unprojected_compressor(tmp_path_factory):
-    return export_compressor(UNPROJECTED, tmp_path_factory.mktemp("compressor"), HEADS, KV_HEADS, DIM)
+def unprojected_compressor(onnx_export):
+    """The zoo Llama's unprojected export's page compressor (HEADS, KV_HEADS, DIM, scale 0.25: the
+    shapes of the pages below; the byte budget is not the compressor's: it is fed `keep`), the
+    file the no-budget host-runner case runs: (layout, the module, the file's path)."""
+    _, paths = onnx_export("llama", CONFIGS["no-budget"], PROMPT + NEW)
+    layout = export_module("layout").CacheLayout.from_json(Path(paths["layout"]).read_text())
+    assert (layout.heads, layout.kv_heads, layout.head_dim, layout.scales[0]) == (HEADS, KV_HEADS, DIM, 0.25)
+    return layout, export_module("onnx_export").compressor_module(layout), paths["compressor"]
 
 
 def _runtime_codes(keys, values, queries, keep):
@@ -128,20 +133,19 @@ def test_unprojected_compressor_matches_runtime(unprojected_compressor, seed):
         assert t[7].tolist() == f16
 
 
-def test_unprojected_npu_profile_matches_session(tmp_path):
+def test_unprojected_npu_profile_matches_session(onnx_export, session_references):
     """The "npu" profile (static, float16 boundary, one token per call) with an unprojected Mid:
     onnxruntime and OpenVINO give the float32 session's tokens (test_npu_profile's tolerance)."""
     from test_npu_profile import LOGIT_TOLERANCE
 
-    from kvtopo.export.check import compare_with_session, session_reference
+    from kvtopo.export.check import compare_with_session
 
     prompt, new = 64, 16
     config = CONFIGS["no-budget"]
     session_config = config.replace(refit_after=None, eviction_scope="page", prefill_chunk_size=1)
-    ids = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(1))
-    export_package().export_onnx(zoo.build("llama"), tmp_path, config=config, max_context=prompt + new, profile="npu")
-    reference = session_reference(zoo.build("llama"), ids, new, session_config)
-    for a in compare_with_session(None, tmp_path, ("onnxruntime", "openvino"), ids, new, reference=reference):
+    out, _ = onnx_export("llama", config, prompt + new, "npu")
+    ids, reference = session_references("llama", session_config, prompt, new)
+    for a in compare_with_session(None, out, ("onnxruntime", "openvino"), ids, new, reference=reference):
         assert a.runner.config == session_config and a.runner.layers[0].mid_len > 0
         assert a.runner.layers[0].mid["mid_v_scale"].dtype == np.float16
         assert a.same_tokens and a.max_logit_error < LOGIT_TOLERANCE, a.describe()
