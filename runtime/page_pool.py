@@ -3,7 +3,9 @@
 Pages are slots of one pair of big tensors (keys [capacity, Hkv, P, dk], values
 [capacity, Hkv, P, dv]), as in paged attention. A freed slot goes back on the free list and is
 reused before the pool grows, so pages released by compression really make room. The pool never
-hands out a slot that is in use: when it is full and may not grow, `allocate` raises.
+hands out a slot that is in use: when it is full and may not grow, `allocate` raises. A caller
+holding the pool to a byte budget bounds its growth steps (`spare`) and grows it before a batch
+by exactly the slots the batch was admitted for (`reserve`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class PagePool:
         self.values = torch.empty(0, kv_heads, page_size, value_dim, dtype=dtype, device=device)
         self._free: list[int] = []
         self._live: set[int] = set()
+        # Pages a growth may add beyond those it needs (None: the step rule alone). A caller that
+        # counts free slots against a byte budget sets it to what the budget leaves.
+        self.spare: int | None = None
 
     @property
     def capacity(self) -> int:
@@ -56,10 +61,15 @@ class PagePool:
 
     def allocate(self) -> int:
         if not self._free:
-            self._grow()
+            self._grow(1)
         page = self._free.pop()
         self._live.add(page)
         return page
+
+    def reserve(self, slots: int) -> None:
+        """Make at least `slots` slots free, growing now (once) rather than page by page later."""
+        if slots > len(self._free):
+            self._grow(slots - len(self._free))
 
     def release(self, page: int) -> None:
         if page not in self._live:
@@ -67,18 +77,23 @@ class PagePool:
         self._live.remove(page)
         self._free.append(page)
 
-    def _grow(self) -> None:
+    def _grow(self, need: int) -> None:
         old = self.capacity
         # Small steps keep free slots (which count as held bytes) few; 1/8 keeps copies amortised.
-        new = old + max(self.grow_by, old // 8)
+        step = max(self.grow_by, old // 8, need)
+        if self.spare is not None:
+            step = max(need, min(step, self.spare))
+        new = old + step
         if self.max_pages is not None:
             new = min(new, self.max_pages)
-        if new <= old:
+        if new - old < need:
             raise PoolExhausted(
-                f"KV page pool is full: {old} pages of {self.page_size} tokens are all live "
-                f"(max_pages={self.max_pages}); raise max_pages or use a compressing policy"
+                f"KV page pool is full: {old} pages of {self.page_size} tokens, {old - self.live_pages} free, "
+                f"{need} needed (max_pages={self.max_pages}); raise max_pages or use a compressing policy"
             )
         grow = new - old
+        if self.spare is not None:
+            self.spare -= grow - need
         self.keys = torch.cat([self.keys, self.keys.new_empty(grow, *self.keys.shape[1:])])
         self.values = torch.cat([self.values, self.values.new_empty(grow, *self.values.shape[1:])])
         # Pop order: lowest free slot first.

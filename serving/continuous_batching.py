@@ -48,9 +48,11 @@ The estimate charges, per layer, what the stored tokens can cost before compress
 them: every page the tokens open at its exact cost (the model's dtype: float32 here, fp16 on a
 half-precision model) for whatever it becomes (a Recent code, Mid rows, attention mass: each smaller
 than the exact page), plus the pool slots the sequence can hold exact at its new length (the
-lifecycle's Initial/Terminal pages, and Recent/Mid ones when they stay exact), priced by the pool's
-own growth rule (free slots first, then steps of an eighth), plus a new sequence's observation
-window and, for projecting policies, a new Mid epoch's bases. A prompt chunk is charged about
+lifecycle's Initial/Terminal pages, and Recent/Mid ones when they stay exact) beyond the pool's
+free slots, one page each: before the forward the cache grows each pool by exactly the slots it
+admitted (`PagePool.reserve`), and a growth step may add free slots (counted bytes) only as far
+as the budget leaves (`PagePool.spare`), so a decode that needs one more page is charged one
+page, not the pool's step of an eighth. Plus a new sequence's observation window and, for projecting policies, a new Mid epoch's bases. A prompt chunk is charged about
 its exact size until it settles, then held at the compressed size: admission is bounded by
 the prefill chunk in flight, not by a guessed ratio. Lossless pages never re-encode: their slots
 alone are charged.
@@ -172,18 +174,23 @@ class _Growth:
         return exact
 
     def new_slots(self, pool, promised: int, slots: int) -> int | None:
-        """Slots the pool adds (PagePool._grow: steps of max(grow_by, capacity // 8), up to
-        max_pages) to hand out `slots` more live slots after `promised` others; None: it cannot."""
-        capacity, live, step = (pool.capacity, pool.live_pages, pool.grow_by) if pool is not None else (0, 0, 1)
-        grown = capacity
-        while grown - live < promised + slots:
-            bigger = grown + max(step, grown // 8)
+        """Slots the pool adds to hand out `slots` more live slots after `promised` others (None:
+        max_pages forbids it). An existing pool adds just those beyond its free ones (the cache
+        reserves them before the forward, growth steps bounded by what the budget leaves); a pool
+        the forward creates grows by PagePool._grow's steps of max(1, capacity // 8)."""
+        if pool is not None:
+            grown = max(0, promised + slots - (pool.capacity - pool.live_pages))
+            fits = self.max_pages is None or pool.capacity + grown <= self.max_pages
+            return grown if fits else None
+        grown = 0
+        while grown < promised + slots:
+            bigger = grown + max(1, grown // 8)
             if self.max_pages is not None:
                 bigger = min(bigger, self.max_pages)
             if bigger <= grown:
                 return None
             grown = bigger
-        return grown - capacity
+        return grown
 
     def of(self, seq: int | None, past: int, tokens: int,
            promised: dict[str, int]) -> tuple[int, dict[str, int]] | None:
@@ -333,6 +340,8 @@ class KvtopoPagedCache(PagedAttentionCache):
             self._note_peak()
             # The forward stores what was admitted for it; the engine schedules again only after it
             # ran (async batching is off), when the measurement includes it.
+            if self.budget_bytes is not None:
+                self._reserve_slots()
             self._held, self._reserved, self._promised = None, 0, {}
             spans = []
             for request_id, past, tokens in self._recorded:
@@ -342,6 +351,16 @@ class KvtopoPagedCache(PagedAttentionCache):
                     self._next_seq += 1
                 spans.append(_Span(request_id, seq, past, tokens))
             self._spans, self._recorded = spans, []
+
+    def _reserve_slots(self) -> None:
+        """Grow each layer's pool by the slots admitted for the forward (their bytes are in the
+        reservation), and let growth steps add no more free slots than the budget leaves."""
+        pools = [layer.pool for layer in self.session.layers.values() if layer.pool is not None]
+        spare = max(0, self.budget_bytes - self.held_bytes() - self._reserved) // max(1, len(pools))
+        for name, layer in self.session.layers.items():
+            if layer.pool is not None:
+                layer.pool.spare = spare // layer.pool.page_nbytes
+                layer.pool.reserve(self._promised.get(name, 0))
 
     def attend(self, module, query, key, value, scale: float, softcap: float | None) -> torch.Tensor:
         """query [1, Hq, T, d], key/value [1, Hkv, T, d] packed as the engine's spans -> [1, T, Hq, dv]."""

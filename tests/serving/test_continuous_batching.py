@@ -236,3 +236,20 @@ def test_refuses_other_engine_features(monkeypatch):
     monkeypatch.setattr(continuous_batching.transformers, "__version__", "5.25.0")
     with pytest.raises(RuntimeError, match="transformers 5.24.0 only"):
         generate_batch(model, [[1, 2, 3]], Config.lossless(), max_new_tokens=2, generation_config=GREEDY)
+
+
+def test_a_decode_that_opens_a_page_is_charged_one_page_not_a_growth_step():
+    """Byte admission charges a full pool one page per layer for the next page (the cache reserves
+    exactly that slot), where the pool's own step would add an eighth of its capacity."""
+    model_config = zoo.build("llama").config
+    session = Session(Config.lossless(page_size=4))
+    kv = lambda: torch.randn(2, 4, 16)  # noqa: E731  one page of the zoo llama's 2 kv-heads x 16 dims
+    with session:
+        full = lambda c: c.pool.capacity >= 64 and c.pool.capacity == c.pool.live_pages  # noqa: E731
+        while len(session.layers) < 2 or not all(full(c) for c in session.layers.values()):
+            for layer in ("0", "1"):
+                session.attend_sequence(layer, 0, torch.randn(4, 4, 16), kv(), kv(), 0.25)
+        growth = continuous_batching._Growth(session, model_config, torch.float32)
+        length = session.layers["0"].length(0)
+        page = session.layers["0"].pool.page_nbytes
+        assert growth.of(0, length, 1, {}) == (2 * (page + 4), {"0": 1, "1": 1})  # + its block-table entry
