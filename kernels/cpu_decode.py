@@ -134,14 +134,12 @@ def cpu_decode_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
     dense = _dense_batch(q, segs, scale, softcap)
     if dense is None and not all(parts):
         raise ValueError("decode attention over an empty history")
-    slots = max(len(p) for p in parts)
-    if slots == 0:
-        return dense[0]
-    empty = (q.new_zeros(dense[0].shape[1:] if dense else parts[0][0][0].shape, dtype=torch.float32),
-             q.new_full((q.shape[1],), -float("inf"), dtype=torch.float32))
-    merged = [tuple(torch.stack([(p[i] if i < len(p) else empty)[j] for p in parts]) for j in (0, 1))
-              for i in range(slots)]
-    return merge_partials(([dense] if dense is not None else []) + merged)
+    dv = (dense if dense is not None else parts[0][0])[0].shape[-1]
+    unseen = (q.new_zeros(q.shape[1], dv, dtype=torch.float32),  # pads a sequence with fewer parts
+              q.new_full((q.shape[1],), -float("inf"), dtype=torch.float32))
+    slots = [tuple(torch.stack([(p[i] if i < len(p) else unseen)[j] for p in parts]) for j in (0, 1))
+             for i in range(max(len(p) for p in parts))]  # slot i: every sequence's i-th part
+    return merge_partials(([dense] if dense is not None else []) + slots)
 
 
 def _single(part: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:

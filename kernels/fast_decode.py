@@ -6,7 +6,9 @@ reference (kernels/compressed_attention.py) dequantizes all of it to float32 eve
 path reads the codes as they are stored (``DecodeSegments``, kernels/decode_inputs.py, gathered
 by runtime/decode_view.py): CUDA tensors go to the Triton kernels (kernels/triton_decode.py), CPU
 tensors to the fused C++ kernel (kernels/cpu_decode.py). Both are checked against the float64
-reference of kernels/decode_reference.py.
+reference of kernels/decode_reference.py. A decode step of many sequences
+(``decode_attention_batch``) is one call on CPU; on CUDA the Triton kernels still run once per
+sequence.
 
 Measured (bench/decode_speed.py, 1 thread, shared 2-core machine): see bench/results.
 """
