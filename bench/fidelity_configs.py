@@ -35,6 +35,7 @@ CONFIGS = {
     "codes-no-eviction": kvtopo.Config(target_ratio=None, **CHUNK),
     "exact-recent-no-eviction": kvtopo.Config(target_ratio=None, recent_bits=None, **CHUNK),
     "recent-256-4x": kvtopo.Config(target_ratio=4, recent_tokens=256, **CHUNK),
+    "recent-256-8x": kvtopo.Config(recent_tokens=256, **CHUNK),
     "8bit-mid-no-eviction": kvtopo.Config(target_ratio=None, mid_bits=8, **CHUNK),
     "8bit-mid-4x": kvtopo.Config(target_ratio=4, mid_bits=8, **CHUNK),
     "exact-mid-4x": kvtopo.Config(target_ratio=4, mid_bits=None, **CHUNK),
