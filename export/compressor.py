@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from kvtopo.kernels.quant import float16_holds
 from kvtopo.runtime.policies.topo import topo_scores
 
-from .f16 import round_toward_f16
+from .f16 import nextafter_f16, round_toward_f16
 
 
 def pack_codes(codes: Tensor, bits: int) -> Tensor:
@@ -95,8 +95,9 @@ def quantize_rows(x: Tensor, valid: Tensor, bits: int) -> tuple[Tensor, Tensor, 
     x [H, P, D] (a token of a head). Returns float codes [H, P, D], scale and offset [H, P] (0 on
     invalid rows, which take no part in the float16 decision) and whether they are float16."""
     rows = valid[None, :, None]
-    x = torch.where(rows, x, torch.zeros_like(x))  # an invalid row: range 0, statistics 0 (float16-exact)
+    x = torch.where(rows, x, torch.zeros_like(x))  # an invalid row: range 0 at 0 (float16-exact)
     offset, scale, use16 = _statistics(x.amin(-1), x.amax(-1), bits)
+    scale = torch.where(valid[None], scale, torch.zeros_like(scale))
     return _codes(x, rows, offset[..., None], scale[..., None], bits), scale, offset, use16
 
 
@@ -105,7 +106,8 @@ def _statistics(lo: Tensor, hi: Tensor, bits: int) -> tuple[Tensor, Tensor, Tens
     down/up, or float32 for every slice when float16 cannot hold the values (`float16_holds`)."""
     levels = float((1 << bits) - 1)
     offset16 = round_toward_f16(lo, -1.0)
-    scale16 = round_toward_f16((hi - offset16) / levels, 1.0)
+    step = nextafter_f16(offset16, 1.0) - offset16
+    scale16 = round_toward_f16(torch.maximum((hi - lo + step) / levels, step), 1.0)
     use16 = float16_holds(lo, hi)
     return torch.where(use16, offset16, lo), torch.where(use16, scale16, (hi - lo) / levels), use16
 

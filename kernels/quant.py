@@ -16,12 +16,9 @@ Why float16 statistics, and when not: the offset is rounded *down* and the scale
 float16 before any code is computed, so the float16 grid ``offset + code * scale`` still
 covers ``[min, max]``, codes never clamp, and every element is within half a *stored* scale
 of its level. What float16 costs is a stored scale wider than the float32 ideal
-``(max - min) / (2**bits - 1)`` by at most one float16 step of the offset divided by the
-levels, then rounded up: the extra error is below half a float16 step of the values
-themselves divided by the levels, less than storing the values in float16 (what an fp16
-cache does) costs. On zero-centred data (normal, Student-t, decaying-energy coefficients,
-256x16) that is at most 0.14% of the scale; a narrow slice far from zero (5 +- 0.03) or a
-page of one survivor (range 0) widens it relatively more, but never past that absolute bound.
+``(max - min) / (2**bits - 1)`` by one float16 step of the offset divided by the levels, then
+rounded up (and at least that step: see `_statistics`): the extra error is at most half a
+float16 step of the values themselves, what storing them in float16 (an fp16 cache) costs.
 So statistics are float16 whenever float16 can hold them, and float32 only when a scale
 cannot hold the values (beyond +-65504). Not a fallback whenever a scale widens past some
 tolerance: which tokens a page kept would flip that choice, so two executors of the same
@@ -111,13 +108,24 @@ def float16_holds(lo: Tensor, hi: Tensor) -> Tensor:
     would have to span the gap). A 0-d bool tensor of comparisons only (false on nan), so
     exported graphs trace the same decision."""
     limit = torch.finfo(torch.float16).max
-    return ((lo >= -limit) & (hi <= limit)).all()
+    return ((lo > -limit) & (hi < limit)).all()
 
 
 def _statistics(lo: Tensor, hi: Tensor, levels: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Offset rounded down and scale rounded up to ``dtype``, so the grid covers [lo, hi]."""
+    """Offset and scale in ``dtype`` whose grid covers [lo, hi].
+
+    float32: the exact min and ``(max - min) / levels``. float16: the offset rounded down, and
+    the scale rounded up from ``(max - min + step) / levels``, where ``step`` is float16's
+    spacing just above the offset (``lo - offset < step``, so the grid reaches ``max``), and
+    never below ``step`` itself: a slice narrower than float16's resolution at its offset (a
+    page's single survivor, range 0) gets the grid float16 storage of its values would have.
+    A finer one would only resolve what float16 cannot (the last bits of whichever kernel
+    computed the values), so two executors of one lifecycle would store different scales."""
+    if dtype == torch.float32:
+        return lo, (hi - lo) / levels
     offset = _round_toward(lo, dtype, -float("inf"))
-    scale = _round_toward((hi - offset.float()) / levels, dtype, float("inf"))
+    step = torch.nextafter(offset, torch.full_like(offset, float("inf"))).float() - offset.float()
+    scale = _round_toward(torch.maximum((hi - lo + step) / levels, step), dtype, float("inf"))
     return offset, scale
 
 

@@ -263,6 +263,9 @@ def test_page_compressor_matches_torch(kv_heads, group, window, tokens, d, bits,
     assert diff.abs().max().item() <= 1  # only where a coefficient sits within rounding of a level boundary
     levels = (1 << bits) - 1
     recon = offset.float() + unpack(codes, bits, c).float() * scale.float()
+    slack = 1e-5 * (1 + coef.abs().amax(0))
+    assert ((recon - coef).abs() <= scale.float() / 2 + slack).all()
+    # the scale is kernels.quant's: the float32 ideal widened by at most the offset's float16 step
     ideal = (coef.amax(0) - coef.amin(0)) / levels
-    bound = (1 + 2.0**-6) * ideal / 2 + 1e-5 * (1 + coef.abs().amax(0))
-    assert ((recon - coef).abs() <= bound).all()
+    step16 = 2 * torch.clamp(coef.amin(0).abs() * 2.0**-10, min=2.0**-24)
+    assert (scale.float() <= torch.maximum(ideal + step16 / levels, step16) * (1 + 2.0**-10) + 2.0**-24 + slack).all()
