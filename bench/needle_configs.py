@@ -63,6 +63,7 @@ CONFIGS = {
     "energy-1.0-no-eviction": kvtopo.Config(target_ratio=None, key_energy=1.0, value_energy=1.0),
     "energy-1.0-8x": kvtopo.Config(key_energy=1.0, value_energy=1.0),
     "snapkv-8x": kvtopo.Config(policy="snapkv"),
+    "recent-256-8x": kvtopo.Config(recent_tokens=256),  # what bench/fidelity_configs.py found keeps prose
 }
 
 
