@@ -19,6 +19,12 @@ class PoolExhausted(RuntimeError):
     """The pool is at its page limit and every page is live."""
 
 
+def growth_step(capacity: int, need: int, grow_by: int = 1) -> int:
+    """Slots a pool of `capacity` adds when it needs `need` more: small steps keep free slots
+    (which count as held bytes) few; an eighth of the capacity keeps copies amortised."""
+    return max(grow_by, capacity // 8, need)
+
+
 class PagePool:
     def __init__(
         self,
@@ -79,8 +85,7 @@ class PagePool:
 
     def _grow(self, need: int) -> None:
         old = self.capacity
-        # Small steps keep free slots (which count as held bytes) few; 1/8 keeps copies amortised.
-        step = max(self.grow_by, old // 8, need)
+        step = growth_step(old, need, self.grow_by)
         if self.spare is not None:
             step = max(need, min(step, self.spare))
         new = old + step

@@ -100,6 +100,7 @@ from transformers.generation.continuous_batching.utils import (WorkloadHints, fi
 
 from kvtopo.config import Config
 from kvtopo.runtime.lifecycle import observed_positions
+from kvtopo.runtime.page_pool import growth_step
 from kvtopo.runtime.phases import Phase, PhasePlan
 from kvtopo.runtime.session import CacheStats, Session
 
@@ -177,14 +178,14 @@ class _Growth:
         """Slots the pool adds to hand out `slots` more live slots after `promised` others (None:
         max_pages forbids it). An existing pool adds just those beyond its free ones (the cache
         reserves them before the forward, growth steps bounded by what the budget leaves); a pool
-        the forward creates grows by PagePool._grow's steps of max(1, capacity // 8)."""
+        the forward creates grows page by page in the pool's own steps (`growth_step`)."""
         if pool is not None:
             grown = max(0, promised + slots - (pool.capacity - pool.live_pages))
             fits = self.max_pages is None or pool.capacity + grown <= self.max_pages
             return grown if fits else None
         grown = 0
         while grown < promised + slots:
-            bigger = grown + max(1, grown // 8)
+            bigger = grown + growth_step(grown, 1)
             if self.max_pages is not None:
                 bigger = min(bigger, self.max_pages)
             if bigger <= grown:
