@@ -98,6 +98,14 @@ def _capped(logits: Tensor, softcap: float | None) -> Tensor:
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
+# Logits partial_dense holds at once (float32 elements, 2 MiB). A prefill chunk attending to
+# itself has [Hkv, G*T, T] of them; in blocks of query rows each softmax pass reads them from
+# cache rather than memory (4096-token chunk, 4 query heads: 0.3 s instead of 1.4-2.9 s on one
+# thread). Rows are independent and each block runs the same ops on the same rows, so the
+# results are the same bits.
+BLOCK_LOGITS = 1 << 19
+
+
 def partial_dense(
     q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None = None, softcap: float | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -111,12 +119,29 @@ def partial_dense(
     hq, t, _ = q.shape
     if n == 0:
         return _empty(q, v.shape[-1])
-    logits = _capped(scale * (group_query_heads(q, kv_heads) @ k.float().transpose(1, 2)), softcap)
+    qg = group_query_heads(q, kv_heads).view(kv_heads, hq // kv_heads, t, -1)
+    keys, values = k.float().transpose(1, 2), v.float()
+    rows = max(1, BLOCK_LOGITS // (hq * n))
+    if rows >= t:
+        return _dense_block(qg, keys, values, scale, mask, softcap)
+    per_row_mask = mask is not None and mask.dim() >= 2 and mask.shape[-2] == t
+    blocks = [_dense_block(qg[:, :, r: r + rows], keys, values, scale,
+                           mask[..., r: r + rows, :] if per_row_mask else mask, softcap) for r in range(0, t, rows)]
+    return torch.cat([out for out, _ in blocks], 1), torch.cat([lse for _, lse in blocks], 1)
+
+
+def _dense_block(qg: Tensor, keys: Tensor, values: Tensor, scale: float, mask: Tensor | None,
+                 softcap: float | None) -> tuple[Tensor, Tensor]:
+    """`partial_dense` of query rows qg [Hkv, G, T, d] over keys [Hkv, d, N] (transposed) and
+    values [Hkv, N, dv] -> out [Hq, T, dv], lse [Hq, T]."""
+    kv_heads, groups, t, d = qg.shape
+    n = keys.shape[-1]
+    logits = _capped(scale * (qg.reshape(kv_heads, groups * t, d) @ keys), softcap)
     if mask is not None:
-        logits = logits.view(kv_heads, -1, t, n).masked_fill(~mask, -float("inf")).view(kv_heads, -1, n)
+        logits = logits.view(kv_heads, groups, t, n).masked_fill(~mask, -float("inf")).view(kv_heads, -1, n)
     p, lse = _softmax_lse(logits)
-    out = p @ v.float()
-    return out.reshape(hq, t, -1), lse.reshape(hq, t)
+    out = p @ values
+    return out.reshape(kv_heads * groups, t, -1), lse.reshape(kv_heads * groups, t)
 
 
 def partial_lowrank(q: Tensor, keys: LowRankHeads, values: LowRankHeads, scale: float,
