@@ -136,16 +136,40 @@ def quantize(x: Tensor, bits: int, reduce_dim: int) -> Quantized:
     elementwise (up to float32 arithmetic rounding). Statistics are float16 unless a value
     is beyond float16's range, then float32 for the whole tensor (see the module docstring).
     """
+    x = _checked(x, bits, reduce_dim)
+    lo = x.amin(dim=reduce_dim, keepdim=True)
+    hi = x.amax(dim=reduce_dim, keepdim=True)
+    return _encode(x, lo, hi, bits, torch.float16 if float16_holds(lo, hi).item() else torch.float32)
+
+
+def quantize_float16(x: Tensor, bits: int, reduce_dim: int, valid: Tensor | None = None) -> Quantized | None:
+    """``quantize`` when its statistics are float16; None when some slice is beyond float16's
+    range (where ``quantize`` would take float32 for the whole tensor).
+
+    For quantizing many tensors (pages) as one: stacked, their slices are quantized as each
+    one's own ``quantize`` would, as long as all of them take float16 statistics, which is
+    what a non-None result says. ``valid``: a bool mask broadcastable to ``x``; elements
+    outside it are padding, left out of the statistics (their codes mean nothing).
+    """
+    x = _checked(x, bits, reduce_dim)
+    lo = (x if valid is None else x.masked_fill(~valid, float("inf"))).amin(dim=reduce_dim, keepdim=True)
+    hi = (x if valid is None else x.masked_fill(~valid, -float("inf"))).amax(dim=reduce_dim, keepdim=True)
+    if not float16_holds(lo, hi).item():
+        return None
+    return _encode(x, lo, hi, bits, torch.float16)
+
+
+def _checked(x: Tensor, bits: int, reduce_dim: int) -> Tensor:
     _check_bits(bits)
     if x.shape[reduce_dim] == 0:
         raise ValueError(f"cannot quantize over empty dimension {reduce_dim} of shape {tuple(x.shape)}")
+    return x.float()
+
+
+def _encode(x: Tensor, lo: Tensor, hi: Tensor, bits: int, dtype: torch.dtype) -> Quantized:
+    """Codes of float32 ``x`` on the grid of statistics in ``dtype`` covering [lo, hi] per slice."""
     levels = (1 << bits) - 1
-    x = x.float()
-    lo = x.amin(dim=reduce_dim, keepdim=True)
-    hi = x.amax(dim=reduce_dim, keepdim=True)
-    offset, scale = _statistics(lo, hi, levels, torch.float16)
-    if not float16_holds(lo, hi).item():
-        offset, scale = _statistics(lo, hi, levels, torch.float32)
+    offset, scale = _statistics(lo, hi, levels, dtype)
     # A zero scale means every element of the slice equals the offset: all codes are 0.
     step = torch.where(scale > 0, scale.float(), torch.ones_like(lo))
     codes = torch.round((x - offset.float()) / step).clamp_(0, levels)

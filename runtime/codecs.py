@@ -19,7 +19,7 @@ import torch
 
 from kvtopo.kernels.compressed_attention import LowRankHeads
 from kvtopo.kernels.directions import principal_basis
-from kvtopo.kernels.quant import Quantized, dequantize, quantize
+from kvtopo.kernels.quant import Quantized, dequantize, quantize, quantize_float16
 
 from .policies.base import MidEncoding
 
@@ -45,6 +45,36 @@ class RecentPage:
 def encode_recent(keys: torch.Tensor, values: torch.Tensor | None, bits: int) -> RecentPage:
     values = quantize(values, bits, reduce_dim=-1) if values is not None else None
     return RecentPage(quantize(keys, bits, reduce_dim=1), values)
+
+
+@dataclass(frozen=True, eq=False)
+class RecentPages:
+    """Recent codes of pages stacked on dim 0 (keys [B, Hkv, P, dk], values [B, Hkv, P, dv])."""
+
+    keys: Quantized
+    values: Quantized | None
+
+    def page(self, i: int) -> RecentPage:
+        """Page i's codes as its own tensors (views would keep the whole stack alive)."""
+        return RecentPage(_page_of(self.keys, i), _page_of(self.values, i) if self.values is not None else None)
+
+    def decode(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return dequantize(self.keys), dequantize(self.values) if self.values is not None else None
+
+
+def encode_recent_pages(keys: torch.Tensor, values: torch.Tensor | None, bits: int) -> RecentPages | None:
+    """`encode_recent` of every page of keys [B, Hkv, P, dk] / values [B, Hkv, P, dv] in one
+    batch of ops, with the same codes; None when some page's statistics need float32 (encode
+    the pages one by one then: each decides for itself)."""
+    k = quantize_float16(keys, bits, reduce_dim=2)
+    v = quantize_float16(values, bits, reduce_dim=-1) if values is not None else None
+    if k is None or (values is not None and v is None):
+        return None
+    return RecentPages(k, v)
+
+
+def _page_of(q: Quantized, i: int) -> Quantized:
+    return Quantized(q.codes[i].clone(), q.scale[i].clone(), q.offset[i].clone(), q.bits, q.length)
 
 
 # -- Mid: principal directions -------------------------------------------------------------------
@@ -178,6 +208,37 @@ class CodedRows:
         self._scale.append(q.scale)
         self._offset.append(q.offset)
 
+    def append_pages(self, x: torch.Tensor, counts: torch.Tensor) -> None:
+        """`append` of B pages at once: page b's rows are x[b, :counts[b]] of x [B, K, ...] (the
+        rest of dim 1 is padding). One batch of ops gives each page the codes its own `append`
+        would, unless some page's statistics need float32: then page by page."""
+        valid = torch.arange(x.shape[1], device=x.device) < counts[:, None].to(x.device)  # [B, K]
+        held = counts > 0
+        if self.bits and bool(held.any()):
+            if self.per_row_stats:
+                q = quantize_float16(x[valid], self.bits, reduce_dim=-1)
+            else:  # statistics over each page's own rows
+                mask = valid[held].view(*valid[held].shape, *(1,) * (x.dim() - 2))
+                q = quantize_float16(x[held], self.bits, reduce_dim=1, valid=mask)
+            if q is None:
+                for b, n in enumerate(counts.tolist()):
+                    self.append(x[b, :n])
+                return
+        self._page_rows.append(counts.to(torch.int32))
+        if not bool(held.any()):
+            return
+        self.length = x.shape[-1]
+        if not self.bits:
+            self._rows.append(x[valid].to(self.float_dtype))
+        elif self.per_row_stats:
+            self._rows.append(q.codes)
+            self._scale.append(q.scale)
+            self._offset.append(q.offset)
+        else:
+            self._rows.append(q.codes[valid[held]])
+            self._scale.append(q.scale.squeeze(1))
+            self._offset.append(q.offset.squeeze(1))
+
     def decode(self) -> torch.Tensor:
         """All rows as float32 [N, ...]."""
         if not self.bits:
@@ -227,6 +288,20 @@ class MidSegment:
             self.keys.append(keys.transpose(0, 1))
         if self.shared_value_dim is None:
             self.values.append(self.value_bases.project(values) if self.encoding.project else values.transpose(0, 1))
+
+    def append_pages(self, keys: torch.Tensor, values: torch.Tensor | None, kept: list[int]) -> None:
+        """`append_page` of B pages, page b's survivors being the first kept[b] of the K rows of
+        keys [B, Hkv, K, dk] and values [B, Hkv, K, dv] (the rest is padding). Unprojected
+        pages are encoded together (the same codes); projected ones page by page (a projection
+        of more rows is another matmul, which need not round the same)."""
+        if self.encoding.project:
+            for b, n in enumerate(kept):
+                self.append_page(keys[b, :, :n], None if values is None else values[b, :, :n])
+            return
+        counts = torch.tensor(kept)
+        self.keys.append_pages(keys.transpose(1, 2), counts)
+        if self.shared_value_dim is None:
+            self.values.append_pages(values.transpose(1, 2), counts)
 
     def attention_inputs(self):
         """(LowRankHeads, LowRankHeads) when projected, else dense (keys [Hkv, N, dk], values

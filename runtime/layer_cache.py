@@ -9,13 +9,15 @@ block table (int32 pool slots of its exact pages), so sequences never see each o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from kvtopo.config import Config
 
-from .codecs import MidSegment, RecentPage, encode_recent, fit_bases
+from .codecs import MidSegment, RecentPage, encode_recent, encode_recent_pages, fit_bases
 from .lifecycle import BudgetExceeded, Lifecycle, PageState, SequenceState, page_room
 from .page_pool import PagePool
 from .phases import Phase
@@ -29,6 +31,12 @@ def best_tokens(scores: torch.Tensor, keep: int) -> torch.Tensor:
     return scores.argsort(dim=-1, descending=True, stable=True)[:, :keep].sort(dim=-1).values
 
 
+def _gather(kv: tuple[torch.Tensor, torch.Tensor | None], index: torch.Tensor, dim: int = 1):
+    """Tokens `index` (along `dim`, the token dim) of keys and values (None stays None)."""
+    return tuple(None if x is None else x.gather(dim, index[..., None].expand(*index.shape, x.shape[-1]))
+                 for x in kv)
+
+
 @dataclass
 class Page(PageState):
     slot: int | None = None  # exact pool slot, while the page is stored exactly
@@ -37,11 +45,31 @@ class Page(PageState):
 
 
 @dataclass
+class Moves:
+    """The tensor work of the page moves one append makes, done together when it ends
+    (`LayerCache._flush`): a long prefill chunk moves hundreds of pages, and page by page their
+    encodings cost more in op dispatch than in arithmetic."""
+
+    recent: list = field(default_factory=list)  # (page, keys, values): exact tokens of pages now Recent
+    mid: list = field(default_factory=list)  # (source, kept [Hkv, keep]): planned pages entering Mid;
+    # source is (keys, values), or the index in `recent` of a page encoded in this append
+    _recent_index: dict = field(default_factory=dict)  # id(page) -> its index in `recent`
+
+    def add_recent(self, page: "Page", keys: torch.Tensor, values: torch.Tensor | None) -> None:
+        self._recent_index[id(page)] = len(self.recent)
+        self.recent.append((page, keys, values))
+
+    def recent_index(self, page: "Page") -> int | None:
+        return self._recent_index.get(id(page))
+
+
+@dataclass
 class SequenceKV(SequenceState):
     block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
     retired: list[MidSegment] = field(default_factory=list)  # earlier Mid epochs, each with its bases
     planned: dict[int, torch.Tensor] = field(default_factory=dict)  # page index -> kept tokens [Hkv, keep]
     dropped: int = 0  # tokens of the leading pages released because they left the sliding window
+    moves: Moves = field(default_factory=Moves)  # pending until the append ends
 
 
 @dataclass
@@ -108,8 +136,11 @@ class LayerCache(Lifecycle):
         self.start_append(entry, n, key.shape[-1], (key, value))
         if self.config.eviction_scope == "append":
             entry.planned = self._plan_joint_eviction(entry, key, value)
-        self.write(entry, n, (key, value))
-        entry.planned = {}
+        try:
+            self.write(entry, n, (key, value))
+        finally:
+            self._flush(entry)
+            entry.planned = {}
         if self.window is not None:
             self._drop_outside_window(entry)
 
@@ -130,14 +161,71 @@ class LayerCache(Lifecycle):
         self._refresh_block_table(entry)
 
     def _encode_recent(self, entry: SequenceKV, page: Page) -> None:
-        page.recent = encode_recent(*self._page_kv(page), self.recent_bits)
+        """Deferred to the append's end (`_flush`); the exact tokens are copied now, before the
+        page's slot is reused."""
+        entry.moves.add_recent(page, *self._page_kv(page))
 
     def _enter_mid(self, entry: SequenceKV, index: int) -> int:
+        """A page of the joint plan: deferred to the append's end (`_flush`), its survivors are
+        known. Any other: its survivors depend on the bytes held now, so the pending moves are
+        made first and the page is encoded at once."""
         page = entry.pages[index]
-        keys, values = self._evict(entry, index, *self._page_kv(page))
-        entry.mid.append_page(keys, values)
+        kept = entry.planned.get(index)
+        if kept is None:
+            self._flush(entry)
+            keys, values = self._evict(entry, index, *self._page_kv(page))
+            entry.mid.append_page(keys, values)
+            count = keys.shape[1]
+        else:
+            pending = entry.moves.recent_index(page)
+            entry.moves.mid.append((self._page_kv(page) if pending is None else pending, kept))
+            count = kept.shape[1]
         page.recent, page.mass = None, None
-        return keys.shape[1]
+        return count
+
+    def _flush(self, entry: SequenceKV) -> None:
+        """Make the pending moves (`Moves`): Recent codes of the pages that went to Recent, in
+        one batch; then the pages that entered Mid under the plan, gathered and encoded in one
+        batch (the ones encoded Recent in this append from their decoded codes, as page by
+        page). The codes are the ones page-by-page encoding gives (`encode_recent_pages`,
+        `MidSegment.append_pages`)."""
+        moves, entry.moves = entry.moves, Moves()
+        decoded = self._encode_recent_batch(moves.recent)
+        if moves.mid:
+            sources = [decoded(s) if isinstance(s, int) else s for s, _ in moves.mid]
+            self._enter_mid_batch(entry, sources, [kept for _, kept in moves.mid])
+
+    def _encode_recent_batch(self, records: list):
+        """Recent codes of the pages in `records` (page, keys, values); those still Recent keep
+        them. Returns i -> record i's decoded (keys, values)."""
+        if not records:
+            return None
+        stacked = None
+        if len(records) > 1 and len({k.shape for _, k, _ in records}) == 1:
+            values = None if self.shared_value_dim else torch.stack([v for _, _, v in records])
+            stacked = encode_recent_pages(torch.stack([k for _, k, _ in records]), values, self.recent_bits)
+        if stacked is None:
+            pages = [encode_recent(k, v, self.recent_bits) for _, k, v in records]
+            for (page, _, _), recent in zip(records, pages):
+                page.recent = recent if page.phase is Phase.RECENT else None
+            return lambda i: pages[i].decode()
+        for i, (page, _, _) in enumerate(records):
+            if page.phase is Phase.RECENT:
+                page.recent = stacked.page(i)
+        decode = functools.cache(stacked.decode)  # all pages at once, if any page needs it
+        return lambda i: tuple(None if x is None else x[i] for x in decode())
+
+    def _enter_mid_batch(self, entry: SequenceKV, sources: list, kept: list[torch.Tensor]) -> None:
+        """Append the survivors `kept` [Hkv, keep] of pages with tokens `sources` (keys, values)
+        to the Mid epoch, in page order."""
+        if len({k.shape for k, _ in sources}) > 1:
+            for (keys, values), rows in zip(sources, kept):
+                entry.mid.append_page(*_gather((keys, values), rows))
+            return
+        index = pad_sequence([rows.t() for rows in kept], batch_first=True).transpose(1, 2)  # [B, Hkv, K]
+        keys = torch.stack([k for k, _ in sources])
+        values = None if self.shared_value_dim else torch.stack([v for _, v in sources])
+        entry.mid.append_pages(*_gather((keys, values), index, dim=2), [rows.shape[1] for rows in kept])
 
     def _release_exact(self, entry: SequenceKV, page: Page) -> None:
         if page.slot is not None:
@@ -259,9 +347,15 @@ class LayerCache(Lifecycle):
                 "sink_tokens/recent_tokens, or allow over_budget='evict'")
         taken = int((cost <= room).sum())  # cost only grows along `picked`
         keep = torch.bincount(picked[:taken] // P, minlength=len(group))
-        cap = self.mid_encoding.max_tokens
-        return {i: order.indices[:, g, : min(int(keep[g]), P if cap is None else cap)].sort(dim=-1).values
-                for g, i in enumerate(group)}
+        if self.mid_encoding.max_tokens is not None:
+            keep = keep.clamp(max=self.mid_encoding.max_tokens)
+        # Each page's kept tokens, ascending: mark the first keep[g] of its ranking, then sort the
+        # marked token indices ahead of the others (which read P).
+        ranks = torch.arange(P, device=keep.device)
+        marked = torch.zeros_like(order.indices, dtype=torch.bool).scatter_(
+            -1, order.indices, (ranks < keep[:, None]).expand_as(order.indices))
+        tokens = torch.where(marked, ranks, P).sort(dim=-1).values
+        return {i: tokens[:, g, :n] for (g, i), n in zip(enumerate(group), keep.tolist())}
 
     def _group_tokens(self, entry: SequenceKV, group: list[int], key: torch.Tensor, value: torch.Tensor):
         """Keys, values (the keys' leading dims when shared) and accumulated attention mass (None
@@ -301,22 +395,16 @@ class LayerCache(Lifecycle):
         return encode_recent(keys.new_zeros(keys.shape[1], P, keys.shape[-1]), empty_values, self.recent_bits).nbytes
 
     def _evict(self, entry: SequenceKV, index: int, keys: torch.Tensor, values: torch.Tensor | None):
-        """The page's survivors: the joint plan's, or the `keep_count` best by the policy's score."""
-        planned = entry.planned.get(index)
-        if planned is None:
-            keep = self.keep_count(entry, entry.pages[index])
-            if keep == keys.shape[1]:
-                return keys, values
-            if keep == 0:
-                return keys[:, :0], None if values is None else values[:, :0]
-            shown_values = values if values is not None else keys[..., : self.shared_value_dim]
-            scores = self.policy.score(ScoreInputs(keys, shown_values, entry.observation, self.scale,
-                                                   entry.pages[index].mass))
-            planned = best_tokens(scores, keep)
-        keys = keys.gather(1, planned[..., None].expand(-1, -1, keys.shape[-1]))
-        if values is not None:
-            values = values.gather(1, planned[..., None].expand(-1, -1, values.shape[-1]))
-        return keys, values
+        """The page's survivors outside a joint plan: the `keep_count` best by the policy's score."""
+        keep = self.keep_count(entry, entry.pages[index])
+        if keep == keys.shape[1]:
+            return keys, values
+        if keep == 0:
+            return keys[:, :0], None if values is None else values[:, :0]
+        shown_values = values if values is not None else keys[..., : self.shared_value_dim]
+        scores = self.policy.score(ScoreInputs(keys, shown_values, entry.observation, self.scale,
+                                               entry.pages[index].mass))
+        return _gather((keys, values), best_tokens(scores, keep))
 
     # -- reading -------------------------------------------------------------------------------
     def segments(self, seq: int) -> Segments | None:

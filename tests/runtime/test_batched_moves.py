@@ -1,0 +1,67 @@
+"""The pages one append moves are encoded together at its end (LayerCache._flush); the store
+must hold exactly what encoding them page by page gives: same kept tokens, codes, statistics
+and bytes."""
+
+import pytest
+import torch
+
+import kvtopo
+from kvtopo.runtime import codecs, layer_cache
+from kvtopo.runtime.layer_cache import LayerCache
+from kvtopo.runtime.policies import make_policy
+
+
+def _run(fields: dict, chunks: list[int], shared: int | None, wide: bool) -> LayerCache:
+    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, **fields)
+    cache = LayerCache(config, make_policy(config), shared_value_dim=shared)
+    cache.scale = 0.25
+    g = torch.Generator().manual_seed(0)
+    for n in chunks:
+        k = torch.randn(2, n, 16, generator=g) * 3
+        v = torch.randn(2, n, 16, generator=g)
+        if wide:  # some pages' statistics need float32: those pages are encoded on their own
+            k[:, ::97, 3] *= 40000.0
+            v[:, ::89, 5] = 70000.0
+        cache.observe(0, torch.randn(4, min(n, 8), 16, generator=g), 2)
+        cache.append(0, k, v[..., :0] if shared else v)
+    return cache
+
+
+def _state(cache: LayerCache) -> list:
+    entry = cache.sequences[0]
+    out = [cache.nbytes(), cache.pool.capacity, entry.block_table, entry.mid_tokens]
+    for page in entry.pages:
+        out += [page.phase, page.tokens, page.kept, page.slot]
+        if page.recent is not None:
+            out += [q and (q.codes, q.scale, q.offset) for q in (page.recent.keys, page.recent.values)]
+    for mid in cache._epochs(entry):
+        out += [(c.rows, c.scale, c.offset, c.page_rows) for c in (mid.keys, mid.values)]
+    return out
+
+
+def _assert_same(a, b) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            assert x is not None and y is not None and x.dtype == y.dtype and torch.equal(x, y)
+        elif isinstance(x, (tuple, list)):
+            _assert_same(x, y)
+        else:
+            assert x == y
+
+
+@pytest.mark.parametrize("fields", [{}, {"mid_bits": 2, "recent_bits": 4}, {"mid_bits": None},
+                                    {"key_energy": 0.9, "value_energy": 0.9, "refit_after": 128},
+                                    {"protected_spans": ((200, 260),), "target_ratio": 3.0},
+                                    {"eviction_scope": "page"}, {"target_ratio": None}])
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("shared", [None, 8])
+def test_one_appends_moves_encode_as_page_by_page(fields, wide, shared, monkeypatch):
+    if shared and "key_energy" in fields:
+        pytest.skip("projected MLA latents are covered by the MLA tests")
+    chunks = [700, 5, 1, 300, 64]
+    batched = _state(_run(fields, chunks, shared, wide))
+    # Without the batched encoders every page takes the page-by-page path.
+    monkeypatch.setattr(layer_cache, "encode_recent_pages", lambda *a: None)
+    monkeypatch.setattr(codecs, "quantize_float16", lambda *a, **k: None)
+    _assert_same(batched, _state(_run(fields, chunks, shared, wide)))
