@@ -98,11 +98,11 @@ def _capped(logits: Tensor, softcap: float | None) -> Tensor:
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
-# Logits partial_dense holds at once (float32 elements, 2 MiB). A prefill chunk attending to
-# itself has [Hkv, G*T, T] of them; in blocks of query rows each softmax pass reads them from
+# Logits partial_dense holds at once on CPU (float32 elements, 2 MiB). A prefill chunk attending
+# to itself has [Hkv, G*T, T] of them; in blocks of query rows each softmax pass reads them from
 # cache rather than memory (4096-token chunk, 4 query heads: 0.3 s instead of 1.4-2.9 s on one
-# thread). Rows are independent and each block runs the same ops on the same rows, so the
-# results are the same bits.
+# thread). Rows are independent and each block runs the same ops on the same rows: the results
+# are the same bits (tests/runtime/test_prefill_blocks.py). A GPU takes all rows at once.
 BLOCK_LOGITS = 1 << 19
 
 
@@ -121,7 +121,7 @@ def partial_dense(
         return _empty(q, v.shape[-1])
     qg = group_query_heads(q, kv_heads).view(kv_heads, hq // kv_heads, t, -1)
     keys, values = k.float().transpose(1, 2), v.float()
-    rows = max(1, BLOCK_LOGITS // (hq * n))
+    rows = max(1, BLOCK_LOGITS // (hq * n)) if q.device.type == "cpu" else t
     if rows >= t:
         return _dense_block(qg, keys, values, scale, mask, softcap)
     per_row_mask = mask is not None and mask.dim() >= 2 and mask.shape[-2] == t
