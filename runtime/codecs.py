@@ -210,11 +210,12 @@ class CodedRows:
 
     def append_pages(self, x: torch.Tensor, counts: torch.Tensor) -> None:
         """`append` of B pages at once: page b's rows are x[b, :counts[b]] of x [B, K, ...] (the
-        rest of dim 1 is padding). One batch of ops gives each page the codes its own `append`
+        rest of dim 1 is padding; `counts` on the CPU, as `page_rows`). One batch of ops gives each page the codes its own `append`
         would, unless some page's statistics need float32: then page by page."""
-        valid = torch.arange(x.shape[1], device=x.device) < counts[:, None].to(x.device)  # [B, K]
-        held = counts > 0
-        if self.bits and bool(held.any()):
+        valid = torch.arange(x.shape[1], device=x.device) < counts.to(x.device)[:, None]  # [B, K]
+        held = (counts > 0).to(x.device)
+        any_held = bool(counts.any())
+        if self.bits and any_held:
             if self.per_row_stats:
                 q = quantize_float16(x[valid], self.bits, reduce_dim=-1)
             else:  # statistics over each page's own rows
@@ -225,7 +226,7 @@ class CodedRows:
                     self.append(x[b, :n])
                 return
         self._page_rows.append(counts.to(torch.int32))
-        if not bool(held.any()):
+        if not any_held:
             return
         self.length = x.shape[-1]
         if not self.bits:
