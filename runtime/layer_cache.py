@@ -318,8 +318,8 @@ class LayerCache(Lifecycle):
         # a decode step (at most one page moving) stops here without walking every page.
         if self.plan.mid_pages(count) - self.plan.mid_pages(len(entry.pages)) < 2:
             return {}
-        group = [i for i in range(count) if self.plan.phase(i, count) is Phase.MID
-                 and (i >= len(entry.pages) or entry.pages[i].phase is not Phase.MID)]
+        group = [i for i in range(count) if (i >= len(entry.pages) or entry.pages[i].phase is not Phase.MID)
+                 and self.plan.phase(i, count) is Phase.MID]
         if len(group) < 2:
             return {}
         keys, values, mass = self._group_tokens(entry, group, key, value)
