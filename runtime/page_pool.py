@@ -10,8 +10,6 @@ by exactly the slots the batch was admitted for (`reserve`).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -42,6 +40,9 @@ class PagePool:
         self.grow_by = grow_by
         self.keys = torch.empty(0, kv_heads, page_size, key_dim, dtype=dtype, device=device)
         self.values = torch.empty(0, kv_heads, page_size, value_dim, dtype=dtype, device=device)
+        # One slot's bytes, from the shapes (right before the first slot exists too); a plain
+        # attribute, as the store's accounting reads it for every exact page.
+        self.page_nbytes = kv_heads * page_size * (key_dim + value_dim) * dtype.itemsize
         self._free: list[int] = []
         self._live: set[int] = set()
         # Pages a growth may add beyond those it needs (None: the step rule alone). A caller that
@@ -59,11 +60,6 @@ class PagePool:
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
-
-    @property
-    def page_nbytes(self) -> int:
-        # From the shapes, so that it is right before the first slot exists too.
-        return sum(math.prod(t.shape[1:]) * t.element_size() for t in (self.keys, self.values))
 
     def allocate(self) -> int:
         if not self._free:
