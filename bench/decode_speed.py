@@ -16,7 +16,7 @@ one the same decode query and new token are timed through:
                     fastest dense formulation here (enable_gqa=True measured slower);
   dense bf16 SDPA   the same in bfloat16;
   kvtopo <config>   `kvtopo.runtime.decode_view.attend_cache`: gathers the stored codes
-                    (exact pages + new token, int8 Recent, packed Mid codes) and runs the CPU
+                    (exact pages + new token, Recent codes, packed Mid codes) and runs the CPU
                     path (fused C kernel over the Mid codes), end to end per layer.
 
 Configs: "default" = kvtopo.Config() (topo, target 8x vs fp16, Mid as 4-bit KIVI-style codes:

@@ -9,8 +9,9 @@ prefill chunk, the full cache's 64 greedy tokens forced one by one; per config t
 KL(full || config) of the next-token distributions (and per forced position), greedy agreement with the full cache, the
 achieved ``ratio_vs_fp16`` and the share of tokens held (kept). Float32 model compiled without
 Inductor, 1 torch thread. Separates the error of Mid's codes (the no-eviction rows) from that of
-eviction (the 4x rows), and compares with kvtopo's SnapKV (exact survivors) at the same nominal
-ratio.
+eviction (the 4x rows) and of the Recent window (where eviction waits: 64 int8 tokens, the
+default until this bench measured it, or 256), and compares with kvtopo's SnapKV (exact
+survivors) at the same nominal ratio. Each result records the full Config it ran.
 
 Writes bench/results/fidelity_configs_<length>.json.
 """
@@ -29,13 +30,16 @@ from quality import kl_rows
 import kvtopo
 
 CHUNK = dict(prefill_chunk_size=8192)
+OLD_RECENT = dict(recent_tokens=64, recent_bits=8)  # the default Recent window until it was measured here
 CONFIGS = {
     "default-8x": kvtopo.Config(**CHUNK),
     "default-4x": kvtopo.Config(target_ratio=4, **CHUNK),
+    "recent-64-8bit-8x": kvtopo.Config(**OLD_RECENT, **CHUNK),
+    "recent-64-8bit-4x": kvtopo.Config(target_ratio=4, **OLD_RECENT, **CHUNK),
+    "recent-256-8bit-8x": kvtopo.Config(recent_bits=8, **CHUNK),
+    "recent-256-8bit-4x": kvtopo.Config(target_ratio=4, recent_bits=8, **CHUNK),
     "codes-no-eviction": kvtopo.Config(target_ratio=None, **CHUNK),
     "exact-recent-no-eviction": kvtopo.Config(target_ratio=None, recent_bits=None, **CHUNK),
-    "recent-256-4x": kvtopo.Config(target_ratio=4, recent_tokens=256, **CHUNK),
-    "recent-256-8x": kvtopo.Config(recent_tokens=256, **CHUNK),
     "8bit-mid-no-eviction": kvtopo.Config(target_ratio=None, mid_bits=8, **CHUNK),
     "8bit-mid-4x": kvtopo.Config(target_ratio=4, mid_bits=8, **CHUNK),
     "exact-mid-4x": kvtopo.Config(target_ratio=4, mid_bits=None, **CHUNK),

@@ -76,12 +76,11 @@ recorded under ``structure``), per kv-head:
   and the (more numerous) heavy hitters' grows; the measured shares are in ``structure``.
 
 Matched bytes ("at the same bytes"): topo runs at its Config defaults (8x budget; Mid 4-bit
-codes, no projection; Recent 8-bit), plus the same budget with directional pruning
-(``PROJECTED``: Mid projected at 0.9 energy, bases refitted as the sequence doubles, and fitted
-once with ``refit_after=None``; every length) and a curve over ``target_ratio``
-(``TOPO_CURVE``). Each
-baseline runs at its defaults (``Config(policy=name)``) and with its knob tuned so its total
-bytes match topo's at that length:
+codes, no projection; Recent 256 tokens at 4 bits, 64 at 8 bits in results from before), plus
+the same budget with directional pruning (``PROJECTED``: Mid projected at 0.9 energy, bases
+refitted as the sequence doubles, and fitted once with ``refit_after=None``; every length) and a
+curve over ``target_ratio`` (``TOPO_CURVE``). Each baseline runs at its defaults
+(``Config(policy=name)``) and with its knob tuned so its total bytes match topo's at that length:
 * snapkv/h2o/knorm: ``target_ratio``, secant steps on log(bytes) until within ``MATCH_TOL``;
 * streaming: ``recent_tokens``, the largest whole-page window whose bytes do not exceed topo's
   (1 + MATCH_TOL), by bisection over pages;

@@ -136,7 +136,8 @@ KIVI_BITS = {2.0: 8, 4.0: 4, 8.0: 2}
 #       2-bit 0.9 0.50 / 0.42. 16x: 4-bit 0.9 0.17 / 0.50; 8-bit 0.97 0.17 / 0.25.
 TOPO_ENERGY = {2.0: 0.97, 4.0: 0.95}
 PALU_ENERGIES = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
-WINDOWS = dict(page_size=16, sink_tokens=16, recent_tokens=32, observation_window=4, prefill_chunk_size=max(LENGTHS))
+WINDOWS = dict(page_size=16, sink_tokens=16, recent_tokens=32, recent_bits=8, observation_window=4,
+               prefill_chunk_size=max(LENGTHS))
 PPL_TOKENS = 64
 SCORE_BUDGETS = (0.10, 0.25, 0.50)
 DEFAULT_EXAMPLES = 4

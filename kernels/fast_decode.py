@@ -1,6 +1,6 @@
 """Fast decode attention (one query token per sequence) over a phased, compressed KV history.
 
-The runtime keeps one sequence-layer's history as exact pages, int8 Recent pages and a
+The runtime keeps one sequence-layer's history as exact pages, low-bit Recent pages and a
 contiguous Mid segment of packed low-bit coefficient codes (runtime/codecs.py). The torch
 reference (kernels/compressed_attention.py) dequantizes all of it to float32 every step; the fast
 path reads the codes as they are stored (``DecodeSegments``, kernels/decode_inputs.py, gathered

@@ -1,4 +1,4 @@
-"""kvtopo's own policy: exp-free eviction, directional pruning and low-bit codes in Mid; int8 Recent.
+"""kvtopo's own policy: exp-free eviction, directional pruning and low-bit codes in Mid; low-bit Recent.
 
 Which Mid tokens survive is decided by `kernels.scoring.expfree_scores` (matmul, max, subtract,
 relu, sums: no exponential), so the same scoring graph runs on NPU matrix units; surviving

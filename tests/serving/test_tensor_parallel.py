@@ -31,7 +31,9 @@ def _rank_main(checkpoint: str, out_dir: str) -> None:
 
     model = load_tensor_parallel(checkpoint, inductor=False)
     result = {}
-    for name, config in (("lossless", kvtopo.Config.lossless()), ("compressed", kvtopo.Config())):
+    # "compressed": Config()'s coding with a Recent window short enough that 200 tokens reach Mid.
+    compressed = kvtopo.Config(recent_tokens=64)
+    for name, config in (("lossless", kvtopo.Config.lossless()), ("compressed", compressed)):
         with kvtopo.session(config) as s:
             out = kvtopo.generate(model, _prompt(), max_new_tokens=NEW_TOKENS)
             stats = s.stats()
