@@ -9,8 +9,8 @@ prefill chunk, the full cache's 64 greedy tokens forced one by one; per config t
 KL(full || config) of the next-token distributions (and per forced position), greedy agreement with the full cache, the
 achieved ``ratio_vs_fp16`` and the share of tokens held (kept). Float32 model compiled without
 Inductor, 1 torch thread. Separates the error of Mid's codes (the no-eviction rows) from that of
-eviction (the 4x rows) and of the Recent window (where eviction waits: 64 int8 tokens, the
-default until this bench measured it, or 256), and compares with kvtopo's SnapKV (exact
+eviction (the 4x rows) and of the Recent window (where eviction waits: 64 tokens, the default
+until this bench measured it, or 256; 8-bit or 4-bit codes), and compares with kvtopo's SnapKV (exact
 survivors) at the same nominal ratio. Each result records the full Config it ran.
 
 Writes bench/results/fidelity_configs_<length>.json.
@@ -36,8 +36,8 @@ CONFIGS = {
     "default-4x": kvtopo.Config(target_ratio=4, **CHUNK),
     "recent-64-8bit-8x": kvtopo.Config(**OLD_RECENT, **CHUNK),
     "recent-64-8bit-4x": kvtopo.Config(target_ratio=4, **OLD_RECENT, **CHUNK),
-    "recent-256-8bit-8x": kvtopo.Config(recent_bits=8, **CHUNK),
-    "recent-256-8bit-4x": kvtopo.Config(target_ratio=4, recent_bits=8, **CHUNK),
+    "recent-4bit-8x": kvtopo.Config(recent_bits=4, **CHUNK),
+    "recent-4bit-4x": kvtopo.Config(target_ratio=4, recent_bits=4, **CHUNK),
     "codes-no-eviction": kvtopo.Config(target_ratio=None, **CHUNK),
     "exact-recent-no-eviction": kvtopo.Config(target_ratio=None, recent_bits=None, **CHUNK),
     "8bit-mid-no-eviction": kvtopo.Config(target_ratio=None, mid_bits=8, **CHUNK),

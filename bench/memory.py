@@ -76,7 +76,7 @@ recorded under ``structure``), per kv-head:
   and the (more numerous) heavy hitters' grows; the measured shares are in ``structure``.
 
 Matched bytes ("at the same bytes"): topo runs at its Config defaults (8x budget; Mid 4-bit
-codes, no projection; Recent 256 tokens at 4 bits, 64 at 8 bits in results from before), plus
+codes, no projection; Recent 256 tokens at 8 bits, 64 in results from before), plus
 the same budget with directional pruning (``PROJECTED``: Mid projected at 0.9 energy, bases
 refitted as the sequence doubles, and fitted once with ``refit_after=None``; every length) and a
 curve over ``target_ratio`` (``TOPO_CURVE``). Each baseline runs at its defaults

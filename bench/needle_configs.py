@@ -64,7 +64,7 @@ CONFIGS = {
     "energy-1.0-no-eviction": kvtopo.Config(target_ratio=None, key_energy=1.0, value_energy=1.0),
     "energy-1.0-8x": kvtopo.Config(key_energy=1.0, value_energy=1.0),
     "snapkv-8x": kvtopo.Config(policy="snapkv"),
-    # the default Recent window until bench/fidelity_configs.py measured it (now 256 4-bit tokens)
+    # the default Recent window until bench/fidelity_configs.py measured it (now 256)
     "recent-64-8bit": kvtopo.Config(recent_tokens=64, recent_bits=8),
 }
 

@@ -71,7 +71,7 @@ How the settings differ: kvpress compresses once, in the prefill forward (the wh
 aware, the document when agnostic), by evicting tokens and keeping the rest exact in the model's
 dtype; the question, the answers and the second turn stay uncompressed. kvtopo compresses as
 pages age, prefill and decode alike, and besides evicting it quantizes and projects (Recent pages
-4-bit by default, Mid pages per policy), so it keeps more tokens per byte; it reports the bytes it holds,
+8-bit by default, Mid pages per policy), so it keeps more tokens per byte; it reports the bytes it holds,
 kvpress reports the kept fraction. Tables and plots put kvpress at ``1 / kept`` (an fp16 cache
 of the kept tokens, metadata-free: its best case), marked "~". kvpress's own use is the agnostic
 setting (context compressed, question not); in the aware one its presses see the question, and

@@ -54,10 +54,10 @@ class Config:
     e.g. a system prompt) stay exact; the `recent_tokens` behind the page being written are
     stored in `recent_bits` (None = exact) and never evicted; older pages are Mid.
     Recent is where eviction waits: a page's survivors are chosen once, when it leaves Recent.
-    256 tokens at 4 bits by default: with a 64-token window the last queries of a prompt judged
-    the tokens 64-256 behind its end, evicted them, and a continuation that needed them drifted
-    (SmolLM2 at 2K, `bench/fidelity_configs.py`: mean KL to the full cache 0.076 with 64 int8
-    tokens, 0.006 with 256 4-bit ones at 8x); 4-bit Recent pages cost what Mid's codes do.
+    256 tokens by default: with a 64-token window the last queries of a prompt judged the
+    tokens 64-256 behind its end, evicted them, and a continuation that needed them drifted
+    (SmolLM2 at 2K, `bench/fidelity_configs.py`: mean KL to the full cache 0.076 with 64 tokens,
+    0.003 with 256 at 8x; 4-bit Recent codes 0.006 at fewer bytes, not exportable yet).
     Mid (topo): tokens are stored in `mid_bits` bits (None = floats), keys per channel and
     values per token; `key_energy` / `value_energy` (default None: no projection) instead keep
     only the principal directions holding that fraction of each kv-head's keys'/values'
@@ -89,7 +89,7 @@ class Config:
     sink_tokens: int = 32
     recent_tokens: int = 256
     protected_spans: tuple[tuple[int, int], ...] = ()
-    recent_bits: int | None = 4
+    recent_bits: int | None = 8
     mid_bits: int | None = 4
     key_energy: float | None = None
     value_energy: float | None = None
