@@ -26,6 +26,7 @@ CONFIG = Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=Non
 
 # The runtimes that execute the ONNX files (the MLIR runs on IREE: test_iree.py).
 ONNX_RUNTIMES = ("onnxruntime", "openvino")
+LOGIT_TOLERANCE = {"onnxruntime": 2e-3, "openvino": 2e-2, "iree": 2e-3}
 
 
 def assert_host_runner_matches_session(session_references, name: str, export_dir, config: Config, prompt: int,
@@ -33,7 +34,7 @@ def assert_host_runner_matches_session(session_references, name: str, export_dir
     """Greedy generation of `new` tokens after a random `prompt`-token prompt through each of
     `runtimes` (HostRunner over `export_dir`, an export of zoo model `name` under `config`) and
     through the compiled model in a PyTorch session (the `session_references` fixture's run)
-    agree: same tokens, logits within 2e-3, the same KV bytes held (the session's free pool slots
+    agree: same tokens, logits within LOGIT_TOLERANCE, the same KV bytes held (the session's free pool slots
     aside). Returns the runners by runtime, for checks of what they hold."""
     exported = config.replace(refit_after=None, eviction_scope="page")  # what the graphs do
     ids, reference = session_references(name, exported, prompt, new)
@@ -43,7 +44,9 @@ def assert_host_runner_matches_session(session_references, name: str, export_dir
         assert a.same_tokens, a.describe()
         # float32 runtime vs PyTorch (other summation orders) over 32 steps of a random-weight
         # model, same kept tokens on both sides: up to 1.3e-3 measured (onnxruntime, qwen3-moe).
-        assert a.max_logit_error < 2e-3, a.describe()
+        # OpenVINO's CPU kernels depend on the machine: 9.8e-3 on qwen3-moe on an AVX-512 BF16
+        # EPYC with float32 inference precision pinned, under 2e-3 on the machines before.
+        assert a.max_logit_error < LOGIT_TOLERANCE[a.runtime], a.describe()
         assert a.bytes_held == a.session_bytes, a.describe()
         runners[a.runtime] = a.runner
     return runners
