@@ -86,7 +86,8 @@ def main() -> None:
                 if args.profile:
                     profiles[f"{prompt}/{chunk}"] = profile(model, ids, chunk)
                     print(profiles[f"{prompt}/{chunk}"], flush=True)
-    result = {"model": "llama zoo", "threads": 1, "repeats": args.repeats, "statistic": "best of repeats",
+    result = {"model": "llama zoo", "config": repr(kvtopo.Config()), "threads": 1, "repeats": args.repeats,
+              "statistic": "best of repeats",
               "load_before": load_before, "load_after": os.getloadavg(), "cpu_count": os.cpu_count(),
               "torch": torch.__version__, "rows": rows}
     if profiles:
