@@ -57,7 +57,7 @@ class Config:
     256 tokens by default: with a 64-token window the last queries of a prompt judged the
     tokens 64-256 behind its end, evicted them, and a continuation that needed them drifted
     (SmolLM2 at 2K, `bench/fidelity_configs.py`: mean KL to the full cache 0.076 with 64 tokens,
-    0.003 with 256 at 8x; 4-bit Recent codes 0.006 at fewer bytes, not exportable yet).
+    0.003 with 256 at 8x; 4-bit Recent codes: 0.006 at fewer bytes).
     Mid (topo): tokens are stored in `mid_bits` bits (None = floats), keys per channel and
     values per token; `key_energy` / `value_energy` (default None: no projection) instead keep
     only the principal directions holding that fraction of each kv-head's keys'/values'
