@@ -1,6 +1,6 @@
 """The real model (SmolLM2-135M-Instruct, 30 layers, float32) exported and run in onnxruntime and
 IREE gives the PyTorch session's greedy tokens after a 256-token prose prompt, compression on
-(default Config: 8x target, so Mid pages are compressed).
+(Config()'s coding and 8x target with a 64-token Recent window, so Mid pages are compressed).
 
 Opt-in (KVTOPO_REAL_EXPORT=1): loading the model, exporting 30 layers and IREE's compile take
 minutes (measured on 2 cores shared with other work: export_onnx 16 min, export_iree 23 min of
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not os.environ.get("KVTOPO_REAL_EXPORT"),
                                 reason="minutes on the real model: set KVTOPO_REAL_EXPORT=1")
 
 PROMPT, NEW = 256, 32
-CONFIG = Config()
+CONFIG = Config(recent_tokens=64)  # Config()'s coding; a window that a 256-token prompt gets past into Mid
 
 
 @pytest.fixture(scope="module")
