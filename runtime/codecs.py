@@ -47,30 +47,21 @@ def encode_recent(keys: torch.Tensor, values: torch.Tensor | None, bits: int) ->
     return RecentPage(quantize(keys, bits, reduce_dim=1), values)
 
 
-@dataclass(frozen=True, eq=False)
-class RecentPages:
-    """Recent codes of pages stacked on dim 0 (keys [B, Hkv, P, dk], values [B, Hkv, P, dv])."""
-
-    keys: Quantized
-    values: Quantized | None
-
-    def page(self, i: int) -> RecentPage:
-        """Page i's codes as its own tensors (views would keep the whole stack alive)."""
-        return RecentPage(_page_of(self.keys, i), _page_of(self.values, i) if self.values is not None else None)
-
-    def decode(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return dequantize(self.keys), dequantize(self.values) if self.values is not None else None
-
-
-def encode_recent_pages(keys: torch.Tensor, values: torch.Tensor | None, bits: int) -> RecentPages | None:
+def encode_recent_pages(keys: torch.Tensor, values: torch.Tensor | None, bits: int) -> RecentPage | None:
     """`encode_recent` of every page of keys [B, Hkv, P, dk] / values [B, Hkv, P, dv] in one
-    batch of ops, with the same codes; None when some page's statistics need float32 (encode
-    the pages one by one then: each decides for itself)."""
+    batch of ops, with the same codes: one RecentPage whose tensors are the pages stacked on dim
+    0 (`recent_page_at` takes page i out); None when some page's statistics need float32
+    (encode the pages one by one then: each decides for itself)."""
     k = quantize_float16(keys, bits, reduce_dim=2)
     v = quantize_float16(values, bits, reduce_dim=-1) if values is not None else None
     if k is None or (values is not None and v is None):
         return None
-    return RecentPages(k, v)
+    return RecentPage(k, v)
+
+
+def recent_page_at(stacked: RecentPage, i: int) -> RecentPage:
+    """Page i of `encode_recent_pages`' stack as its own tensors (views would keep the stack alive)."""
+    return RecentPage(_page_of(stacked.keys, i), _page_of(stacked.values, i) if stacked.values is not None else None)
 
 
 def _page_of(q: Quantized, i: int) -> Quantized:

@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from kvtopo.config import Config
 
-from .codecs import MidSegment, RecentPage, encode_recent, encode_recent_pages, fit_bases
+from .codecs import MidSegment, RecentPage, encode_recent, encode_recent_pages, fit_bases, recent_page_at
 from .lifecycle import BudgetExceeded, Lifecycle, PageState, SequenceState, page_room
 from .page_pool import PagePool
 from .phases import Phase
@@ -211,7 +211,7 @@ class LayerCache(Lifecycle):
             return lambda i: pages[i].decode()
         for i, (page, _, _) in enumerate(records):
             if page.phase is Phase.RECENT:
-                page.recent = stacked.page(i)
+                page.recent = recent_page_at(stacked, i)
         decode = functools.cache(stacked.decode)  # all pages at once, if any page needs it
         return lambda i: tuple(None if x is None else x[i] for x in decode())
 
