@@ -66,6 +66,7 @@ CONFIGS = {
     "snapkv-8x": kvtopo.Config(policy="snapkv"),
     # the default Recent window until bench/fidelity_configs.py measured it (now 256)
     "recent-64-8bit": kvtopo.Config(recent_tokens=64, recent_bits=8),
+    "recent-4bit": kvtopo.Config(recent_bits=4),  # the 256-token window as 4-bit codes
 }
 
 
