@@ -1,18 +1,25 @@
-"""End-to-end generation: kvtopo.generate (default Config) vs HF generate with its normal cache.
+"""End-to-end generation: kvtopo.generate (default Config, and lossless) vs HF generate with its
+normal cache.
 
-One command: `python bench/generate_speed.py [--prompt 4096] [--new 32]`. Each mode runs in its
-own subprocess so its peak resident memory (ru_maxrss) is its own; the model is the Llama zoo
-model (tiny: the KV cache, not the weights, is what differs). Reported: wall time of the whole
-generate call (prefill + `new` tokens) after a warm-up call, and agreement of the greedy tokens
-with the lossless session's (which equal a no-cache recomputation with the uncompiled model; at
-this length HF generate's own tokens drift from that recomputation, so they are no reference).
-Writes bench/results/generate_speed.json.
+One command: `python bench/generate_speed.py [--prompts 4096 16384 32768] [--new 32]`. Each mode runs
+in its own subprocess so its peak resident memory (ru_maxrss) is its own; the model is the Llama zoo
+model (tiny: the KV cache, not the weights, is what differs). For each prompt length, after a
+warm-up call at that length (compilation, allocation), each mode times (best of `--reps`) the whole generate call
+(prefill + `new` tokens), stamping the end of each forward inside the call, so the time to the
+first token and the decode rate (`new - 1` steps over the time from the first token to the last)
+come from the same call. Each figure is the best of the reps. Reported per mode and length: total seconds, end-to-end tokens/s
+(`new / total`), decode tokens/s, KV bytes held, peak RSS of the process (over all lengths it ran,
+so the longest prompt's), and agreement of the greedy tokens with the lossless session's (which
+equal a no-cache recomputation with the uncompiled model; at these lengths HF generate's own tokens
+drift from that recomputation, so they are no reference). The machine's load before and after is
+recorded: ratios within one run are the figures, not absolute times.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -20,62 +27,137 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MODES = ("hf", "lossless", "kvtopo")
 
 
-def run_mode(mode: str, prompt: int, new: int) -> dict:
+def _stamped(model):
+    """The compiled model inside a module that stamps the end of every forward, for kvtopo.generate
+    (decode steps are the forwards of one token after the last prompt chunk)."""
     import torch
+
+    class Stamped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.stamps = model, []
+            self.config, self.generation_config = model.config, model.generation_config
+
+        def get_input_embeddings(self):
+            return self.inner.get_input_embeddings()
+
+        def forward(self, **kwargs):
+            out = self.inner(**kwargs)
+            self.stamps.append((kwargs["input_ids"].shape[1], time.perf_counter()))
+            return out
+
+    return Stamped()
+
+
+class _StampLogits:
+    """A logits processor for HF generate: it runs once per forward, right after it."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append((1, time.perf_counter()))
+        return scores
+
+
+def run_mode(mode: str, prompts: list[int], new: int, reps: int) -> list[dict]:
+    import torch
+    from transformers import LogitsProcessorList
 
     import kvtopo
     from kvtopo.models import zoo
 
     torch.set_num_threads(1)
-    model = zoo.build("llama", max_position_embeddings=prompt + new + 8)
-    ids = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        if mode == "hf":
-            def run():
-                return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0), None
-        else:
-            kvtopo.compile(model, inductor=False)
-            config = kvtopo.Config() if mode == "kvtopo" else kvtopo.Config.lossless()
+    model = zoo.build("llama", max_position_embeddings=max(prompts) + new + 8)
+    if mode != "hf":
+        kvtopo.compile(model, inductor=False)
+    config = kvtopo.Config() if mode == "kvtopo" else kvtopo.Config.lossless()
 
-            def run():
-                with kvtopo.session(config) as s:
-                    return kvtopo.generate(model, ids, new), s.stats().total_bytes
-        run()  # warm-up: compiles, allocates
+    def run(ids):
+        """(generated ids, KV bytes held, seconds to the first token, seconds of the decode steps)."""
         start = time.perf_counter()
-        out, kv_bytes = run()
-        total = time.perf_counter() - start
-    return {"mode": mode, "prompt": prompt, "new": new, "total_s": total,
-            "tokens_per_s": new / total, "kv_bytes": kv_bytes,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "tokens": out[0, prompt:].tolist()}
+        with torch.no_grad():
+            if mode == "hf":
+                stamped = _StampLogits()
+                out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                                     logits_processor=LogitsProcessorList([stamped]))
+                kv_bytes, stamps = None, stamped.stamps
+            else:
+                stamped = _stamped(model)
+                with kvtopo.session(config) as s:
+                    out = kvtopo.generate(stamped, ids, new, eos_token_id=None, progress=False)
+                    kv_bytes = s.stats().total_bytes
+                stamps = stamped.stamps[-new:]
+        if len(stamps) < new or any(n != 1 for n, _ in stamps[1:]):
+            raise RuntimeError(f"{mode}: expected {new} stamped steps, got {[n for n, _ in stamps]}")
+        return out, kv_bytes, stamps[0][1] - start, stamps[-1][1] - stamps[0][1]
+
+    rows = []
+    for prompt in prompts:
+        ids = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(0))
+        run(ids)  # warm-up at this length: compiles its shapes, allocates
+        timed = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            out, kv_bytes, first, decode = run(ids)
+            timed.append((time.perf_counter() - start, first, decode))
+        total = min(t for t, _, _ in timed)
+        first = min(f for _, f, _ in timed)
+        decode = min(d for _, _, d in timed)
+        rows.append({"mode": mode, "prompt": prompt, "new": new, "total_s": total, "first_token_s": first,
+                     "decode_s": decode, "tokens_per_s": new / total, "decode_tokens_per_s": (new - 1) / decode,
+                     "kv_bytes": kv_bytes, "tokens": out[0, prompt:].tolist()})
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    for row in rows:
+        row["peak_rss_mb"] = rss
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompt", type=int, default=4096)
+    p.add_argument("--prompts", type=int, nargs="+", default=[4096])
     p.add_argument("--new", type=int, default=32)
-    p.add_argument("--mode", choices=("hf", "kvtopo", "lossless"), help=argparse.SUPPRESS)
+    p.add_argument("--reps", type=int, default=2, help="timed calls per length; the best of each figure is kept")
+    p.add_argument("--out", type=Path, default=RESULTS / "generate_speed.json")
+    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.new < 2:
+        p.error("--new must be >= 2 (the decode rate is measured beyond the first token)")
     if args.mode:
-        print(json.dumps(run_mode(args.mode, args.prompt, args.new)))
+        print(json.dumps(run_mode(args.mode, args.prompts, args.new, args.reps)))
         return
+    load_before = os.getloadavg()
+    by_mode = {}
+    for mode in MODES:
+        print(f"running {mode} at {args.prompts} ...", flush=True)
+        done = subprocess.run([sys.executable, __file__, "--mode", mode, "--prompts", *map(str, args.prompts),
+                               "--new", str(args.new), "--reps", str(args.reps)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"{mode} failed:\n{done.stderr[-3000:]}")
+        by_mode[mode] = json.loads(done.stdout.strip().splitlines()[-1])
     rows = []
-    for mode in ("hf", "lossless", "kvtopo"):
-        print(f"running {mode} ...", flush=True)
-        done = subprocess.run([sys.executable, __file__, "--mode", mode, "--prompt", str(args.prompt),
-                               "--new", str(args.new)], capture_output=True, text=True, check=True)
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    hf, exact = rows[0], rows[1]
-    print(f"{'mode':10} {'total s':>8} {'vs HF':>6} {'peak RSS MB':>12} {'KV bytes':>10} {'= lossless':>10}")
-    for r in rows:
-        r["agreement_with_lossless"] = sum(a == b for a, b in zip(r["tokens"], exact["tokens"])) / len(exact["tokens"])
-        print(f"{r['mode']:10} {r['total_s']:8.2f} {r['total_s'] / hf['total_s']:6.2f} {r['peak_rss_mb']:12.0f} "
-              f"{str(r['kv_bytes']):>10} {r['agreement_with_lossless']:10.0%}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "generate_speed.json").write_text(json.dumps({"rows": rows, "threads": 1, "model": "llama zoo"}, indent=1))
-    print(f"wrote {RESULTS / 'generate_speed.json'}")
+    print(f"{'prompt':>7} {'mode':9} {'total s':>8} {'tok/s vs HF':>11} {'decode tok/s vs HF':>18} "
+          f"{'peak RSS MB':>11} {'KV bytes':>10} {'= lossless':>10}")
+    for i, prompt in enumerate(args.prompts):
+        hf, exact = by_mode["hf"][i], by_mode["lossless"][i]
+        for mode in MODES:
+            r = by_mode[mode][i]
+            r["agreement_with_lossless"] = sum(a == b for a, b in zip(r["tokens"], exact["tokens"])) / len(exact["tokens"])
+            r["tokens_per_s_vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"]
+            r["decode_tokens_per_s_vs_hf"] = r["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
+            rows.append(r)
+            print(f"{prompt:7d} {mode:9} {r['total_s']:8.2f} {r['tokens_per_s_vs_hf']:11.2f} "
+                  f"{r['decode_tokens_per_s_vs_hf']:18.2f} {r['peak_rss_mb']:11.0f} {str(r['kv_bytes']):>10} "
+                  f"{r['agreement_with_lossless']:10.0%}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"rows": rows, "threads": 1, "model": "llama zoo", "reps": args.reps,
+                                    "load_avg_before": [round(x, 2) for x in load_before],
+                                    "load_avg_after": [round(x, 2) for x in os.getloadavg()]}, indent=1))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
