@@ -1,25 +1,26 @@
 """Decode attention (one query token per sequence) on CPU over DecodeSegments, for a batch of
 sequences in one call (``cpu_decode_batch``; one sequence is a batch of one).
 
-Exact and Recent segments are a few pages per sequence: every sequence's exact tokens and decoded
-Recent tokens go into one buffer padded to the longest, attended by torch at once with the
-padding masked. The Mid segments (where the bytes are) of all sequences run in one call of a
-small C++ kernel (kernels/csrc/mid_decode.cpp) built once per source, compiler flags and CPU by
-``torch.utils.cpp_extension`` and cached by it. The kernel releases the GIL and runs its work
-items, (sequence's Mid segment, split of 1024 rows), on torch's thread count of its own threads,
-each thread a run of items holding about the same number of rows. For each split and
-every kv-head at once it unpacks each row's packed codes in registers, folds the page's key
+Every segment of every sequence — exact tokens, Recent pages, the Mid segment and earlier Mid
+epochs — runs in one call of a small C++ kernel (kernels/csrc/mid_decode.cpp) built once per
+source, compiler flags and CPU by ``torch.utils.cpp_extension`` and cached by it. Each is read
+as stored: Mid as packed code rows (all kv-heads side by side) with per-page statistics, Recent
+as each kv-head's code block, exact tokens as float32 "codes" with unit statistics. The kernel
+releases the GIL and runs its work items, (segment, split of 1024 rows), on torch's thread
+count of its own threads, each thread a run of items holding about the same number of rows.
+For each split and every kv-head at once it unpacks each row's codes, folds the page's key
 statistics into the projected query (q_r * scale_r, q . offset: recomputed only when the page
 changes), so a logit is one short dot with the raw codes; a two-pass softmax within the split
 then accumulates the weighted value *codes* per page and applies the page's value statistics
-once per page. A segment's splits are merged by log-sum-exp and its output projected back
-(``@ B_v^T + mean_v``) once per query head; the segments of all sequences are merged at once. No [N, C] float matrix is ever built: the kernel
-reads N * C * bits / 8 bytes of codes plus one statistics row per page. An unprojected Mid
-(KIVI-style codes of the keys/values themselves) is the same computation on an identity basis:
-the query projection and the back-projection are skipped, and its per-token value statistics
-are folded into the softmax weights instead of applied per page. Without the kernel
-(no compiler, a failed build: warned once, or KVTOPO_NO_CKERNEL set) the Mid segment falls back
-to the torch reference (dequantize + ``partial_lowrank``): slower, same result.
+once per page (per-token value statistics are folded into the weights instead). A segment's
+splits are merged in the kernel; a projected Mid's output is projected back
+(``@ B_v^T + mean_v``) once per query head; the segments of all sequences are merged at once.
+No [N, C] float matrix is ever built: the kernel reads N * C * bits / 8 bytes of codes plus
+one statistics row per page. An unprojected Mid (KIVI-style codes of the keys/values
+themselves) and Recent pages are the same computation on an identity basis. Without the
+kernel (no compiler, a failed build: warned once, or KVTOPO_NO_CKERNEL set) Mid segments fall
+back to the torch reference (dequantize + ``partial_lowrank``) and exact + Recent tokens to one
+padded torch attention: slower, same result.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ import torch
 from torch import Tensor
 
 from .compressed_attention import merge_partials, partial_dense, partial_lowrank
-from .decode_inputs import DecodeSegments, MidCodes, RecentCodes, check_softcap
+from .decode_inputs import DecodeSegments, MidCodes, RecentCodes, check_softcap, rank_columns
+
+Segment = MidCodes | RecentCodes | tuple[Tensor, Tensor]  # what the kernel reads: Mid, Recent, exact (keys, values)
 
 SOURCE = Path(__file__).with_name("csrc") / "mid_decode.cpp"
 # The parts of -ffast-math the kernel can take: not -ffinite-math-only, under which its running
@@ -113,13 +116,19 @@ def cpu_decode_attention(q: Tensor, segs: DecodeSegments, scale: float, softcap:
 def cpu_decode_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
                      softcap: float | None = None) -> Tensor:
     """Decode attention of a batch, q [B, Hq, d] (one token per sequence) over each sequence's
-    segments -> [B, Hq, dv] float32: the exact and Recent tokens of every sequence in one padded
-    attention, every quantized Mid segment (and Mid epoch) of every sequence in one C kernel call,
-    then one log-sum-exp merge per sequence (all sequences at once)."""
+    segments -> [B, Hq, dv] float32: every segment (exact tokens, Recent pages, Mid and Mid
+    epochs) of every sequence in one C kernel call, then one log-sum-exp merge per sequence (all
+    sequences at once). A sequence's row depends only on its own segments."""
     check_softcap(softcap)
+    kernel = mid_kernel()
     parts: list[list[tuple[Tensor, Tensor]]] = [[] for _ in segs]  # per sequence: (out [Hq, dv], lse [Hq])
-    coded: list[tuple[int, MidCodes]] = []
+    coded: list[tuple[int, Segment]] = []
     for b, s in enumerate(segs):
+        if kernel is not None:
+            if s.exact is not None and s.exact[0].shape[1]:
+                coded.append((b, s.exact))
+            if s.recent is not None and s.recent.tokens:
+                coded.append((b, s.recent))
         epochs = ((s.mid,) if s.mid is not None and s.mid.tokens else ()) + tuple(s.retired)
         if s.mid is None and s.mid_other is not None:
             attend = partial_lowrank if s.mid_other_projected else partial_dense
@@ -129,9 +138,9 @@ def cpu_decode_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
                 coded.append((b, epoch))
             else:
                 parts[b].append(_single(partial_lowrank(q[b, :, None], *epoch, scale, softcap=softcap)))
-    for (b, _), part in zip(coded, mid_partials_cpu(q, coded, scale, softcap)):
+    for (b, _), part in zip(coded, coded_partials_cpu(q, coded, scale, softcap)):
         parts[b].append(part)
-    dense = _dense_batch(q, segs, scale, softcap)
+    dense = _dense_batch(q, segs, scale, softcap) if kernel is None else None
     if dense is None and not all(parts):
         raise ValueError("decode attention over an empty history")
     dv = (dense if dense is not None else parts[0][0])[0].shape[-1]
@@ -149,9 +158,10 @@ def _single(part: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
 
 def _dense_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
                  softcap: float | None) -> tuple[Tensor, Tensor] | None:
-    """(out [B, Hq, dv], lse [B, Hq]) over every sequence's exact tokens and Recent tokens
-    (all sequences' Recent codes decoded by one call), placed in one [Hkv, B, L, d] buffer padded
-    to the longest sequence and attended at once with the padding masked (None: no such tokens)."""
+    """Without the C kernel: (out [B, Hq, dv], lse [B, Hq]) over every sequence's exact tokens
+    and Recent tokens (all sequences' Recent codes decoded by one call), placed in one
+    [Hkv, B, L, d] buffer padded to the longest sequence and attended at once with the padding
+    masked (None: no such tokens)."""
     recents = [s.recent for s in segs if s.recent is not None and s.recent.tokens]
     decoded = RecentCodes.concat(recents).decode() if recents else None
     pieces, lengths, at = [], [], 0  # per sequence: its (keys, values) pieces
@@ -186,38 +196,102 @@ def _dense_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
     return out, lse.reshape(hkv, batch, hq // hkv).transpose(0, 1).reshape(batch, hq)
 
 
-def mid_partials_cpu(q: Tensor, coded: Sequence[tuple[int, MidCodes]], scale: float,
-                     softcap: float | None = None) -> list[tuple[Tensor, Tensor]]:
-    """[(out [Hq, dv], lse [Hq])] of each (sequence b, quantized Mid segment) of a batch, q
-    [B, Hq, d]: one kernel call over all of them (``softcap``: capped logits; passed to the kernel
-    as a float, 0 meaning none)."""
+def coded_partials_cpu(q: Tensor, coded: Sequence[tuple[int, Segment]], scale: float,
+                       softcap: float | None = None) -> list[tuple[Tensor, Tensor]]:
+    """[(out [Hq, dv], lse [Hq])] of each (sequence b, segment) of a batch, q [B, Hq, d]: one
+    kernel call over all of them (``softcap``: capped logits; passed to the kernel as a float, 0
+    meaning none). Without the kernel only Mid segments come here, dequantized and attended by
+    torch (exact and Recent tokens then go to ``_dense_batch``)."""
     if not coded:
         return []
     kernel = mid_kernel()
     if kernel is None:
         return [_single(partial_lowrank(q[b, :, None], *mid.decode(), scale, softcap=softcap)) for b, mid in coded]
-    tensors, flags, splits = [], [], []
-    for b, mid in coded:
-        hkv = mid.kv_heads
-        qp, qb = mid.query_terms(q[b], scale)  # [Hkv, G, Rk], [Hkv, G]
-        count = max(1, -(-mid.tokens // ROWS_PER_SPLIT))
-        coef, lse = torch.empty(count, hkv, qp.shape[1], mid.value_width), torch.empty(count, hkv, qp.shape[1])
-        tensors += [qp, qb, *(x.contiguous() for x in (
-            mid.k_rows, mid.k_scale, mid.k_offset, mid.k_starts, mid.k_ranks,
-            mid.v_rows, mid.v_scale, mid.v_offset, mid.v_starts, mid.v_ranks, mid.row_stat)), coef, lse]
-        flags += [mid.k_bits, mid.v_bits, int(mid.value_stats_per_row)]
-        splits.append((coef, lse))
-    kernel.mid_decode_batch(tensors, flags, torch.get_num_threads(), 0.0 if softcap is None else float(softcap))
-    return [_merge_splits(mid, coef, lse) for (_, mid), (coef, lse) in zip(coded, splits)]
+    tensors, ints, outs = [], [], []
+    for b, codes in coded:
+        args = _mid_args if isinstance(codes, MidCodes) else _recent_args if isinstance(codes, RecentCodes) else _exact_args
+        seg_tensors, seg_ints = args(q[b], codes, scale)
+        tensors += seg_tensors
+        ints += seg_ints + [max(1, -(-seg_ints[0] // ROWS_PER_SPLIT))]
+        outs.append((seg_tensors[-2], seg_tensors[-1]))
+    kernel.decode_segments(tensors, ints, torch.get_num_threads(), 0.0 if softcap is None else float(softcap))
+    results = []
+    for (_, codes), (out, lse) in zip(coded, outs):
+        if isinstance(codes, MidCodes):
+            out = codes.values_out(out)
+        results.append((out.reshape(lse.numel(), -1), lse.reshape(-1)))
+    return results
 
 
-def _merge_splits(mid: MidCodes, coef: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
-    """One Mid segment's splits (coef [S, Hkv, G, Rv], lse [S, Hkv, G]) merged in the coefficient
-    domain (linear), then projected back once per query head -> (out [Hq, dv], lse [Hq])."""
-    m = lse.amax(0, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(lse - m)  # [S, Hkv, G]
-    total = w.sum(0)
-    mixed = (w[..., None] * coef).sum(0) / total.clamp_min(1e-38)[..., None]  # [Hkv, G, Rv]
-    hq = lse.shape[1] * lse.shape[2]
-    return mid.values_out(mixed).reshape(hq, -1), (m[0] + total.log()).reshape(hq)
+def _outputs(qp: Tensor, width: int) -> list[Tensor]:
+    """The kernel's outputs for one segment: out [Hkv, G, width] and lse [Hkv, G]."""
+    return [qp.new_empty(*qp.shape[:2], width), qp.new_empty(qp.shape[:2])]
+
+
+def _mid_args(q: Tensor, mid: MidCodes, scale: float) -> tuple[list[Tensor], list[int]]:
+    """A Mid segment as the kernel reads it (see ``decode_segments`` in csrc/mid_decode.cpp):
+    each code row one run of every head's codes side by side, statistics per page, values'
+    per row and head when quantized per token."""
+    qp, qb = mid.query_terms(q, scale)  # [Hkv, G, Rk], [Hkv, G]
+    n, heads = mid.tokens, mid.kv_heads
+    sides, ints = [], [n]
+    for rows, stat_scale, offset, starts, ranks, bits, per_row in (
+            (mid.k_rows, mid.k_scale, mid.k_offset, mid.k_starts, mid.k_ranks, mid.k_bits, False),
+            (mid.v_rows, mid.v_scale, mid.v_offset, mid.v_starts, mid.v_ranks, mid.v_bits, mid.value_stats_per_row)):
+        width = rows.shape[1] * 8 // bits if per_row else stat_scale.shape[1]  # codes per row
+        sides += [rows, stat_scale, offset, starts, ranks]
+        ints += [bits, 1, width, rows.shape[1], 0, *((heads, 1) if per_row else (width, 0)), int(per_row)]
+    tensors = [qp, qb, *(x.contiguous() for x in sides), mid.row_stat.contiguous(), *_outputs(qp, mid.value_width)]
+    return tensors, ints
+
+
+def _recent_args(q: Tensor, recent: RecentCodes, scale: float) -> tuple[list[Tensor], list[int]]:
+    """Recent pages as the kernel reads them: an identity basis (the scaled query, no mean),
+    each kv-head's codes a run of its own [Nr, bytes] block, key statistics per page and
+    channel, value statistics per token."""
+    heads, n = recent.k_codes.shape[:2]
+    qp = (scale * q.float()).reshape(heads, -1, recent.dk).contiguous()
+    k_starts, k_ranks, v_starts, v_ranks, row_stat = _recent_layout(heads, recent.dk, recent.dv, n, recent.page_size)
+    pages = recent.k_scale.shape[1]
+    tensors = [qp, qp.new_zeros(qp.shape[:2]),
+               recent.k_codes, recent.k_scale, recent.k_offset, k_starts, k_ranks,
+               recent.v_codes, recent.v_scale, recent.v_offset, v_starts, v_ranks,
+               row_stat, *_outputs(qp, recent.dv)]
+    k_bytes, v_bytes = recent.k_codes.shape[2], recent.v_codes.shape[2]
+    ints = [n,
+            recent.bits, heads, recent.dk, k_bytes, n * k_bytes, recent.dk, pages * recent.dk, 0,
+            recent.bits, heads, recent.dv, v_bytes, n * v_bytes, 1, n, 1]
+    return [t.contiguous() for t in tensors], ints
+
+
+def _exact_args(q: Tensor, exact: tuple[Tensor, Tensor], scale: float) -> tuple[list[Tensor], list[int]]:
+    """Exact tokens (keys [Hkv, N, dk], values [Hkv, N, dv]) as the kernel reads them: float32
+    "codes" 32 bits wide, each kv-head a run of its own, on an identity basis with statistics
+    scale 1, offset 0 (one row, read for every page)."""
+    keys, values = (x.float().contiguous() for x in exact)
+    heads, n, dk = keys.shape
+    dv = values.shape[2]
+    qp = (scale * q.float()).reshape(heads, -1, dk).contiguous()
+    k_starts, k_ranks, v_starts, v_ranks, ones, zeros = _exact_layout(heads, dk, dv)
+    tensors = [qp, qp.new_zeros(qp.shape[:2]),
+               keys.view(torch.uint8), ones[:dk], zeros[:dk], k_starts, k_ranks,
+               values.view(torch.uint8), ones[:dv], zeros[:dv], v_starts, v_ranks,
+               zeros.new_zeros(n, dtype=torch.int32), *_outputs(qp, dv)]
+    ints = [n, 32, heads, dk, 4 * dk, 4 * n * dk, 0, 0, 0, 32, heads, dv, 4 * dv, 4 * n * dv, 0, 0, 0]
+    return tensors, ints
+
+
+@functools.lru_cache(maxsize=64)
+def _exact_layout(heads: int, dk: int, dv: int) -> tuple[Tensor, ...]:
+    """Head columns of exact tokens and their unit statistics (ones, zeros of max(dk, dv))."""
+    width = max(dk, dv)
+    return (*rank_columns((dk,) * heads), *rank_columns((dv,) * heads), torch.ones(width), torch.zeros(width))
+
+
+@functools.lru_cache(maxsize=64)
+def _recent_layout(heads: int, dk: int, dv: int, tokens: int, page_size: int) -> tuple[Tensor, ...]:
+    """Head columns (starts, ranks for keys and values) and row_stat (each token's page) of
+    Recent pages: constant for a layer's shapes, so built once."""
+    k_starts, k_ranks = rank_columns((dk,) * heads)
+    v_starts, v_ranks = rank_columns((dv,) * heads)
+    return k_starts, k_ranks, v_starts, v_ranks, torch.arange(tokens, dtype=torch.int32) // page_size

@@ -1,12 +1,16 @@
-// Fused decode attention over a quantized Mid segment (kernels/cpu_decode.py): projected
-// coefficients, or unprojected keys/values (an identity basis: the caller skips the projections).
-// Built at first use by torch.utils.cpp_extension. One call takes every Mid segment of a decode
-// batch and runs their splits of rows on its own threads, with the GIL released.
+// Fused decode attention over the stored segments of a decode batch (kernels/cpu_decode.py): Mid
+// segments (projected coefficients, or unprojected keys/values: an identity basis, the caller
+// skips the projections), Recent pages (codes, head-major) and exact tokens (float32, head-major,
+// read as 32-bit "codes" with unit statistics). Built at first use by torch.utils.cpp_extension.
+// One call takes every segment of a decode batch and runs their splits of rows on its own
+// threads, with the GIL released.
+//
+// The arithmetic is written with GCC/Clang vector extensions (8 floats): the compiler maps them to
+// AVX2/FMA under -march=native and to whatever the target has elsewhere, so there is one code path.
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor (lighter than torch/extension.h)
 
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include <algorithm>
@@ -20,282 +24,383 @@
 extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
 #endif
 
-/* All C codes of one row as floats (the row is short: sum of ranks codes). */
-static inline void unpack_row(const uint8_t *row, int C, int bits, float *u) {
-    if (bits == 8) {
-        for (int c = 0; c < C; ++c) u[c] = (float)row[c];
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8f_u __attribute__((vector_size(32), aligned(4), __may_alias__));  // unaligned access
+
+static inline v8f load8(const float *p) { return *(const v8f_u *)p; }
+static inline void store8(float *p, v8f x) { *(v8f_u *)p = x; }
+static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+static inline int round8(int n) { return (n + 7) & ~7; }
+
+/* Lane i of the result: the sum of the 8 lanes of a[i] (three rounds of pairwise adds). */
+static inline v8f sum_lanes(const v8f *a) {
+    v8f h[4], g[2];
+    for (int i = 0; i < 4; ++i)
+        h[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 2, 8, 10, 4, 6, 12, 14) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 3, 9, 11, 5, 7, 13, 15);
+    for (int i = 0; i < 2; ++i)
+        g[i] = __builtin_shufflevector(h[2 * i], h[2 * i + 1], 0, 2, 8, 10, 4, 6, 12, 14) +
+               __builtin_shufflevector(h[2 * i], h[2 * i + 1], 1, 3, 9, 11, 5, 7, 13, 15);
+    return __builtin_shufflevector(g[0], g[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(g[0], g[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* Lane j: q_j . u_j over NC chunks of 8 columns, for the 8 query heads of a block (q_j at
+   q + j * stride, u_j at u + off[j]). NC and the group size G (query heads per kv-head, when
+   it divides 8 or 8 divides it; 0: any) are template arguments, so that short head ranks run
+   fully unrolled with the 8 sums in registers, and the G lanes of a kv-head load its codes
+   once. */
+template <int NC, int G>
+static v8f dots8(const float *q, int stride, const float *u, const int *off, int nc) {
+    v8f a[8] = {};
+    if (G == 0) {  // any group size: each lane its own offset
+        for (int j = 0; j < 8; ++j)
+            for (int c = 0; c < (NC ? NC : nc); ++c) a[j] += load8(q + (size_t)j * stride + 8 * c) * load8(u + off[j] + 8 * c);
+        return sum_lanes(a);
+    }
+    for (int h = 0; h < 8 / G; ++h)
+        for (int c = 0; c < (NC ? NC : nc); ++c) {
+            v8f x = load8(u + off[h * G] + 8 * c);
+            for (int g = 0; g < G; ++g) a[h * G + g] += load8(q + (size_t)(h * G + g) * stride + 8 * c) * x;
+        }
+    return sum_lanes(a);
+}
+
+typedef v8f (*Dots)(const float *, int, const float *, const int *, int);
+template <int G>
+struct DotsTable {  // [NC] for NC = 0..16 (up to 128 columns per head), [17] any NC
+    static constexpr Dots at[18] = {dots8<0, G>, dots8<1, G>, dots8<2, G>, dots8<3, G>, dots8<4, G>, dots8<5, G>,
+                                    dots8<6, G>, dots8<7, G>, dots8<8, G>, dots8<9, G>, dots8<10, G>, dots8<11, G>,
+                                    dots8<12, G>, dots8<13, G>, dots8<14, G>, dots8<15, G>, dots8<16, G>, dots8<0, G>};
+};
+
+/* The dot routine for a block of NC chunks and group size G (kv-heads start at multiples of G). */
+static Dots pick_dots(int G, int nc) {
+    int i = nc <= 16 && nc > 0 ? nc : 17;
+    if (G % 8 == 0) return DotsTable<8>::at[i];
+    if (G == 4) return DotsTable<4>::at[i];
+    if (G == 2) return DotsTable<2>::at[i];
+    if (G == 1) return DotsTable<1>::at[i];
+    return DotsTable<0>::at[i];
+}
+
+/* a[0 .. 8T) += sum_i w[i * w_stride] * u[i * u_stride + (0 .. 8T)] over nb rows: one query
+   head's weighted value codes of a block of rows, the T chunk sums held in registers. */
+template <int T>
+static void weigh_rows(float *a, const float *u, int u_stride, const float *w, int w_stride, int nb) {
+    v8f acc[T] = {};
+    for (int i = 0; i < nb; ++i) {
+        v8f p = splat(w[(size_t)i * w_stride]);
+        for (int t = 0; t < T; ++t) acc[t] += p * load8(u + (size_t)i * u_stride + 8 * t);
+    }
+    for (int t = 0; t < T; ++t) store8(a + 8 * t, load8(a + 8 * t) + acc[t]);
+}
+
+/* C codes packed `bits` wide (first code in the low bits) as floats; 32 bits: float32 values.
+   Plain loops: the compiler's loop vectorizer widens and converts the bytes in vector registers. */
+static inline void unpack(const uint8_t *__restrict src, int C, int bits, float *__restrict u) {
+    if (bits == 32) {
+        memcpy(u, src, sizeof(float) * C);
+    } else if (bits == 8) {
+        for (int c = 0; c < C; ++c) u[c] = (float)src[c];
     } else if (bits == 4) {
-        int nb = (C + 1) / 2;
-        for (int i = 0; i < nb; ++i) {
-            uint8_t b = row[i];
-            u[2 * i] = (float)(b & 15);
-            u[2 * i + 1] = (float)(b >> 4);
+        for (int i = 0; i < C / 2; ++i) {
+            u[2 * i] = (float)(src[i] & 15);
+            u[2 * i + 1] = (float)(src[i] >> 4);
         }
+        if (C & 1) u[C - 1] = (float)(src[C / 2] & 15);
     } else {
-        int nb = (C + 3) / 4;
-        for (int i = 0; i < nb; ++i) {
-            uint8_t b = row[i];
-            u[4 * i] = (float)(b & 3);
-            u[4 * i + 1] = (float)((b >> 2) & 3);
-            u[4 * i + 2] = (float)((b >> 4) & 3);
-            u[4 * i + 3] = (float)(b >> 6);
+        for (int i = 0; i < C / 4; ++i) {
+            u[4 * i] = (float)(src[i] & 3);
+            u[4 * i + 1] = (float)((src[i] >> 2) & 3);
+            u[4 * i + 2] = (float)((src[i] >> 4) & 3);
+            u[4 * i + 3] = (float)(src[i] >> 6);
         }
+        for (int c = C & ~3; c < C; ++c) u[c] = (float)((src[c / 4] >> (2 * (c & 3))) & 3);
     }
 }
 
-/* Splits [s0, s1) of the rows, every kv-head and query head at once. Key statistics are per page,
-   so they are folded into the query:
-     logit = q.mean_k + sum_r q_r off_r + sum_r (q_r scale_r) code_r
-   Value statistics are per page (vrow == 0: [Pm, vC]), applied once per page to code sums,
-     sum_n p_n c_n = sum_pages (scale * sum_n p_n code_n + off * sum_n p_n),
-   or per row and kv-head (vrow != 0: [N, H], unprojected values quantized per token), folded
-   into the weights:
-     sum_n p_n c_n = sum_n (p_n scale_n) code_n + sum_n p_n off_n.
-   Pass 1: logits of every row and query head, and their max; pass 2: softmax weights and
-   the weighted value codes. Rows go 4 at a time (register blocking: each query/accumulator
-   element loaded once per 4 rows); a block never crosses a page (rows past its end get zero
-   codes and zero weight). Writes coef [S, H, G, RV] (normalised within the split, zero beyond
-   each head's rank) and lse [S, H, G] (-inf and 0 for an empty split).
-   cap > 0: every logit becomes cap * tanh(logit / cap) (logit softcapping) as soon as it is
-   computed, before the max and the softmax; cap == 0: logits are used as they are. */
-#define RB 4
-static void mid_decode_splits(const float *qp, const float *qb, int H, int G, int RK, int RV, int N, int S,
-                              int s0, int s1, float cap,
-                              const uint8_t *krows, int kbytes, const float *kscale, const float *koff, int kC,
-                              const int *kstarts, const int *kranks, int kbits,
-                              const uint8_t *vrows, int vbytes, const float *vscale, const float *voff, int vC,
-                              const int *vstarts, const int *vranks, int vbits, int vrow,
-                              const int *row_stat, float *coef, float *lse) {
-    int HG = H * G;
-    int per = (N + S - 1) / S;
-    int CM = ((kC > vC ? kC : vC) + 15) & ~7;
-    float *u = (float *)calloc((size_t)RB * CM, sizeof(float));
-    float *qs = (float *)malloc(sizeof(float) * (size_t)HG * (RK > 0 ? RK : 1));
-    float *bias = (float *)malloc(sizeof(float) * HG * 4);
-    float *m = bias + HG, *l = bias + 2 * HG, *P = bias + 3 * HG;
-    float *A = (float *)malloc(sizeof(float) * (size_t)HG * (RV > 0 ? RV : 1));
-    float *pb = (float *)malloc(sizeof(float) * (size_t)RB * HG);
-    float *rs = (float *)malloc(sizeof(float) * (size_t)RB * H * 2), *ro = rs + RB * H;  /* vrow: a block's stats */
+/* One side (keys or values) of a segment as stored. A row's codes are `parts` runs of
+   `part_codes` codes (Mid: one run, every head side by side; Recent and exact tokens: one run
+   per kv-head, each in its own [N, bytes] block), unpacked side by side into one float row; head h's columns
+   are starts[h] .. starts[h] + ranks[h] of that row and lie within one run.
+   Statistics per page (row_stat): page s, run p, column j at scale[s * stat_a + p * stat_b + j];
+   per row and head (per_row, values only): row n, head h at scale[n * stat_a + h * stat_b]. */
+struct Side {
+    const uint8_t *rows;
+    int64_t row_stride, part_stride;  // bytes
+    int parts, part_codes, bits;
+    const float *scale, *offset;
+    int64_t stat_a, stat_b;
+    bool per_row;
+    const int *starts, *ranks;
+
+    int width() const { return parts * part_codes; }
+    void unpack_row(int64_t n, float *u) const {
+        for (int p = 0; p < parts; ++p)
+            unpack(rows + n * row_stride + p * part_stride, part_codes, bits, u + (size_t)p * part_codes);
+    }
+    int64_t page_stat(int64_t page, int h) const {  // offset of head h's first statistic in a page
+        int p = part_codes ? starts[h] / part_codes : 0;
+        return page * stat_a + p * stat_b + (starts[h] - (int64_t)p * part_codes);
+    }
+};
+
+/* One segment of one sequence: its query terms, codes and outputs. */
+struct Segment {
+    const float *qp, *qb;  // [H, G, RK] (zero beyond each head's rank), [H, G]
+    Side k, v;
+    const int *row_stat;  // [N] page of each row
+    float *out, *lse;     // [H, G, RV], [H, G]
+    int H, G, RK, RV, N, S;
+    std::vector<float> coef, split_lse;  // [S, H, G, RV], [S, H, G]: each split's result
+};
+
+/* Splits [s0, s1) of a segment's rows, every kv-head and query head at once. Key statistics are
+   per page, so they are folded into the query when the page changes:
+     logit = qb + q . (scale * code + offset) = (qb + q . offset) + (q * scale) . code
+   Value statistics per page are applied once per page to code sums,
+     sum_n p_n value_n = scale * sum_n p_n code_n + offset * sum_n p_n,
+   per row they are folded into the weights (p_n * scale_n, and p_n * offset_n summed).
+   Pass 1: logits of every row (8 query heads at a time: eight dots reduced together) and their
+   max; pass 2: softmax weights and the weighted value codes, a block of rows of one page at a
+   time (each query head's sums held in registers over the block). Each head's dots run over
+   whole 8-column chunks: the query is zero beyond the head's rank, and value columns beyond it
+   are never read back.
+   cap > 0: every logit becomes cap * tanh(logit / cap) before the max and the softmax. */
+static void run_splits(Segment &sg, int s0, int s1, float cap) {
+    const int H = sg.H, G = sg.G, HG = H * G, HGp = round8(HG), RKp = round8(sg.RK), RVp = round8(sg.RV);
+    const Side &k = sg.k, &v = sg.v;
+    const int per = (sg.N + sg.S - 1) / sg.S;
+    const int UW = std::max(k.width(), v.width()) + std::max(RKp, RVp) + 8;  // room for the last chunks
+    std::vector<float> qs((size_t)HGp * RKp, 0.f), bias(HGp, 0.f), m(HGp), l(HGp), P(HGp), A((size_t)HG * RVp);
+    const int rb = std::max(4, std::min(32, 8192 / UW));  // pass 2's rows per block: their codes stay in L1
+    std::vector<float> U((size_t)rb * UW, 0.f), w((size_t)rb * HGp), logits;
+    std::vector<int> koff(HGp, 0), kchunks(HGp / 8, 0), voff(HG), vchunks(HG);
+    for (int hg = 0; hg < HG; ++hg) {
+        int h = hg / G;
+        koff[hg] = k.starts[h];
+        kchunks[hg / 8] = std::max(kchunks[hg / 8], (k.ranks[h] + 7) / 8);
+        voff[hg] = v.starts[h];
+        vchunks[hg] = (v.ranks[h] + 7) / 8;
+    }
     for (int s = s0; s < s1; ++s) {
-        int n0 = s * per, n1 = n0 + per < N ? n0 + per : N;
-        float *acc = coef + (size_t)s * HG * RV;
-        float *out_lse = lse + (size_t)s * HG;
-        memset(acc, 0, sizeof(float) * (size_t)HG * RV);
+        const int n0 = s * per, n1 = std::min(n0 + per, sg.N);
+        float *coef = sg.coef.data() + (size_t)s * HG * sg.RV, *out_lse = sg.split_lse.data() + (size_t)s * HG;
+        memset(coef, 0, sizeof(float) * (size_t)HG * sg.RV);
         if (n1 <= n0) {
             for (int i = 0; i < HG; ++i) out_lse[i] = -INFINITY;
             continue;
         }
-        float *logits = (float *)malloc(sizeof(float) * (size_t)(n1 - n0 + RB) * HG);
-        for (int i = 0; i < HG; ++i) m[i] = -INFINITY;
+        logits.resize((size_t)(n1 - n0) * HGp);
+        std::fill(m.begin(), m.end(), -INFINITY);
         int cur = -1;
-        for (int n = n0; n < n1;) {
-            int st = row_stat[n];
-            int nb = 1;
-            while (nb < RB && n + nb < n1 && row_stat[n + nb] == st) ++nb;
-            if (st != cur) {
-                cur = st;
-                for (int h = 0; h < H; ++h) {
-                    const float *sc = kscale + (size_t)st * kC + kstarts[h];
-                    const float *of = koff + (size_t)st * kC + kstarts[h];
-                    int rk = kranks[h];
-                    for (int g = 0; g < G; ++g) {
-                        int hg = h * G + g;
-                        const float *q = qp + (size_t)hg * RK;
-                        float b = qb[hg];
-                        for (int r = 0; r < rk; ++r) {
-                            qs[(size_t)hg * RK + r] = q[r] * sc[r];
-                            b += q[r] * of[r];
-                        }
-                        bias[hg] = b;
-                    }
-                }
-            }
-            for (int i = 0; i < RB; ++i) {
-                if (i < nb) unpack_row(krows + (size_t)(n + i) * kbytes, kC, kbits, u + (size_t)i * CM);
-                else memset(u + (size_t)i * CM, 0, sizeof(float) * CM);
-            }
-            float *lg = logits + (size_t)(n - n0) * HG;
-            for (int h = 0; h < H; ++h) {
-                const float *u0 = u + kstarts[h], *u1 = u0 + CM, *u2 = u1 + CM, *u3 = u2 + CM;
-                int rk = kranks[h];
-                for (int g = 0; g < G; ++g) {
-                    int hg = h * G + g;
-                    const float *q = qs + (size_t)hg * RK;
-                    float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+        for (int n = n0; n < n1; ++n) {
+            if (sg.row_stat[n] != cur) {
+                cur = sg.row_stat[n];
+                for (int hg = 0; hg < HG; ++hg) {
+                    int h = hg / G, rk = k.ranks[h];
+                    const float *sc = k.scale + k.page_stat(cur, h), *of = k.offset + k.page_stat(cur, h);
+                    const float *q = sg.qp + (size_t)hg * sg.RK;
+                    float b = sg.qb[hg];
                     for (int r = 0; r < rk; ++r) {
-                        float qv = q[r];
-                        d0 += qv * u0[r]; d1 += qv * u1[r]; d2 += qv * u2[r]; d3 += qv * u3[r];
+                        qs[(size_t)hg * RKp + r] = q[r] * sc[r];
+                        b += q[r] * of[r];
                     }
-                    float bb = bias[hg];
-                    lg[hg] = bb + d0; lg[HG + hg] = bb + d1; lg[2 * HG + hg] = bb + d2; lg[3 * HG + hg] = bb + d3;
+                    bias[hg] = b;
                 }
+            }
+            float *u = U.data();
+            k.unpack_row(n, u);
+            float *lg = logits.data() + (size_t)(n - n0) * HGp;
+            for (int b = 0; b < HGp; b += 8) {
+                int nc = kchunks[b / 8];
+                v8f dots = pick_dots(G, nc)(qs.data() + (size_t)b * RKp, RKp, u, koff.data() + b, nc);
+                store8(lg + b, dots + load8(bias.data() + b));
             }
             if (cap > 0.f)
-                for (int i = 0; i < nb * HG; ++i) lg[i] = cap * tanhf(lg[i] / cap);
-            for (int i = 0; i < nb; ++i)
-                for (int j = 0; j < HG; ++j) m[j] = lg[i * HG + j] > m[j] ? lg[i * HG + j] : m[j];
-            n += nb;
+                for (int i = 0; i < HGp; ++i) lg[i] = cap * tanhf(lg[i] / cap);
+            for (int i = 0; i < HGp; ++i) m[i] = lg[i] > m[i] ? lg[i] : m[i];
         }
-        for (int i = 0; i < HG; ++i) { l[i] = 0.f; P[i] = 0.f; }
-        memset(A, 0, sizeof(float) * (size_t)HG * RV);
-        cur = row_stat[n0];
+        std::fill(l.begin(), l.end(), 0.f);
+        std::fill(P.begin(), P.end(), 0.f);
+        std::fill(A.begin(), A.end(), 0.f);
+        cur = sg.row_stat[n0];
         for (int n = n0; n <= n1;) {
-            int st = n < n1 ? row_stat[n] : -1;
-            if (st != cur) {  /* flush the page's sums (through its statistics when per page) */
-                for (int h = 0; h < H; ++h) {
-                    int rv = vranks[h];
-                    for (int g = 0; g < G; ++g) {
-                        int hg = h * G + g;
-                        float *a = A + (size_t)hg * RV, *o = acc + (size_t)hg * RV;
-                        float pp = P[hg];
-                        if (vrow) {
-                            for (int r = 0; r < rv; ++r) { o[r] += a[r] + pp; a[r] = 0.f; }
-                        } else {
-                            const float *sc = vscale + (size_t)cur * vC + vstarts[h];
-                            const float *of = voff + (size_t)cur * vC + vstarts[h];
-                            for (int r = 0; r < rv; ++r) { o[r] += sc[r] * a[r] + of[r] * pp; a[r] = 0.f; }
-                        }
-                        P[hg] = 0.f;
+            int st = n < n1 ? sg.row_stat[n] : -1;
+            if (st != cur) {  // flush the page's sums (through its statistics when per page)
+                for (int hg = 0; hg < HG; ++hg) {
+                    int h = hg / G, rv = v.ranks[h];
+                    float *a = A.data() + (size_t)hg * RVp, *o = coef + (size_t)hg * sg.RV, pp = P[hg];
+                    if (v.per_row) {
+                        for (int r = 0; r < rv; ++r) o[r] += a[r] + pp;
+                    } else {
+                        const float *sc = v.scale + v.page_stat(cur, h), *of = v.offset + v.page_stat(cur, h);
+                        for (int r = 0; r < rv; ++r) o[r] += sc[r] * a[r] + of[r] * pp;
                     }
+                    memset(a, 0, sizeof(float) * RVp);
+                    P[hg] = 0.f;
                 }
                 cur = st;
             }
             if (n == n1) break;
             int nb = 1;
-            while (nb < RB && n + nb < n1 && row_stat[n + nb] == st) ++nb;
-            for (int i = 0; i < RB; ++i) {
-                if (i < nb) unpack_row(vrows + (size_t)(n + i) * vbytes, vC, vbits, u + (size_t)i * CM);
-                else memset(u + (size_t)i * CM, 0, sizeof(float) * CM);
-            }
-            const float *lg = logits + (size_t)(n - n0) * HG;
+            while (nb < rb && n + nb < n1 && sg.row_stat[n + nb] == st) ++nb;
+            const float *lg = logits.data() + (size_t)(n - n0) * HGp;
             for (int i = 0; i < nb; ++i)
-                for (int j = 0; j < HG; ++j) pb[i * HG + j] = expf(lg[i * HG + j] - m[j]);
-            for (int i = nb * HG; i < RB * HG; ++i) pb[i] = 0.f;
-            for (int i = 0; i < nb; ++i)
-                for (int j = 0; j < HG; ++j) l[j] += pb[i * HG + j];
-            if (vrow) {
-                for (int i = 0; i < RB * H; ++i) { rs[i] = 0.f; ro[i] = 0.f; }
-                memcpy(rs, vscale + (size_t)n * H, sizeof(float) * nb * H);
-                memcpy(ro, voff + (size_t)n * H, sizeof(float) * nb * H);
-            } else {
-                for (int i = 0; i < nb; ++i)
-                    for (int j = 0; j < HG; ++j) P[j] += pb[i * HG + j];
-            }
-            for (int h = 0; h < H; ++h) {
-                const float *u0 = u + vstarts[h], *u1 = u0 + CM, *u2 = u1 + CM, *u3 = u2 + CM;
-                int rv = vranks[h];
-                for (int g = 0; g < G; ++g) {
-                    int hg = h * G + g;
-                    float p0 = pb[hg], p1 = pb[HG + hg], p2 = pb[2 * HG + hg], p3 = pb[3 * HG + hg];
-                    if (vrow) {
-                        P[hg] += p0 * ro[h] + p1 * ro[H + h] + p2 * ro[2 * H + h] + p3 * ro[3 * H + h];
-                        p0 *= rs[h]; p1 *= rs[H + h]; p2 *= rs[2 * H + h]; p3 *= rs[3 * H + h];
+                for (int j = 0; j < HGp; ++j) w[i * HGp + j] = expf(lg[i * HGp + j] - m[j]);
+            for (int i = 0; i < nb; ++i) {
+                for (int j = 0; j < HG; ++j) l[j] += w[i * HGp + j];
+                if (v.per_row) {
+                    for (int j = 0; j < HG; ++j) {
+                        int64_t at = (n + i) * v.stat_a + (j / G) * v.stat_b;
+                        P[j] += w[i * HGp + j] * v.offset[at];
+                        w[i * HGp + j] *= v.scale[at];
                     }
-                    float *a = A + (size_t)hg * RV;
-                    for (int r = 0; r < rv; ++r) a[r] += p0 * u0[r] + p1 * u1[r] + p2 * u2[r] + p3 * u3[r];
+                } else {
+                    for (int j = 0; j < HG; ++j) P[j] += w[i * HGp + j];
+                }
+                v.unpack_row(n + i, U.data() + (size_t)i * UW);
+            }
+            for (int hg = 0; hg < HG; ++hg) {
+                float *a = A.data() + (size_t)hg * RVp;
+                const float *u = U.data() + voff[hg];
+                for (int c = 0, nc = vchunks[hg]; c < nc; c += 4) {
+                    switch (std::min(4, nc - c)) {
+                        case 1: weigh_rows<1>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb); break;
+                        case 2: weigh_rows<2>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb); break;
+                        case 3: weigh_rows<3>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb); break;
+                        default: weigh_rows<4>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb);
+                    }
                 }
             }
             n += nb;
         }
         for (int i = 0; i < HG; ++i) {
             float inv = 1.f / l[i];
-            for (int r = 0; r < RV; ++r) acc[(size_t)i * RV + r] *= inv;
+            for (int r = 0; r < sg.RV; ++r) coef[(size_t)i * sg.RV + r] *= inv;
             out_lse[i] = m[i] + logf(l[i]);
         }
-        free(logits);
     }
-    free(u); free(qs); free(bias); free(A); free(pb); free(rs);
+}
+
+/* The segment's splits merged by log-sum-exp into out [H, G, RV] and lse [H, G]. */
+static void merge_splits(Segment &sg) {
+    const int HG = sg.H * sg.G, RV = sg.RV;
+    for (int i = 0; i < HG; ++i) {
+        float mx = -INFINITY, total = 0.f;
+        for (int s = 0; s < sg.S; ++s) mx = std::max(mx, sg.split_lse[(size_t)s * HG + i]);
+        float *o = sg.out + (size_t)i * RV;
+        memset(o, 0, sizeof(float) * RV);
+        if (mx == -INFINITY) {
+            sg.lse[i] = -INFINITY;
+            continue;
+        }
+        for (int s = 0; s < sg.S; ++s) {
+            float wgt = expf(sg.split_lse[(size_t)s * HG + i] - mx);
+            const float *c = sg.coef.data() + ((size_t)s * HG + i) * RV;
+            for (int r = 0; r < RV; ++r) o[r] += wgt * c[r];
+            total += wgt;
+        }
+        for (int r = 0; r < RV; ++r) o[r] /= total;
+        sg.lse[i] = mx + logf(total);
+    }
 }
 
 template <typename T>
 static const T *input(const at::Tensor &t, const char *name) {
-    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == c10::CppTypeToScalarType<T>::value,
+                name, " must be a contiguous CPU tensor of the expected dtype");
     return t.data_ptr<T>();
 }
 
-/* One Mid segment of one sequence: its query terms, codes and split outputs, checked. */
-struct MidSegment {
-    const float *qp, *qb, *ks, *ko, *vs, *vo;
-    const uint8_t *kr, *vr;
-    const int *kst, *krk, *vst, *vrk, *stat;
-    float *coef, *lse;
-    int H, G, RK, RV, N, S, kbytes, vbytes, kC, vC, kbits, vbits, vrow;
-};
-
-// Per segment, 15 tensors: qp [H, G, RK], qb [H, G], k_rows [N, kbytes] uint8, k_scale/k_offset
-// [Pm, kC], k_starts/k_ranks [H] int32, v_rows, v_scale/v_offset ([Pm, vC], or [N, H] with per-row
-// value statistics), v_starts/v_ranks, row_stat [N] int32, coef [S, H, G, RV] and lse [S, H, G]
-// (both written); and 3 ints: k_bits, v_bits, per-row value statistics (0/1). kC/vC, the codes per
-// row, are the last head's start + rank.
-static MidSegment check_segment(const at::Tensor *t, const int64_t *flags) {
-    const at::Tensor &qp = t[0], &k_rows = t[2], &k_scale = t[3], &v_rows = t[7], &v_scale = t[8];
-    const at::Tensor &coef = t[13], &lse = t[14];
-    MidSegment m;
-    m.qp = input<float>(qp, "qp"); m.qb = input<float>(t[1], "qb");
-    m.kr = input<uint8_t>(k_rows, "k_rows"); m.ks = input<float>(k_scale, "k_scale"); m.ko = input<float>(t[4], "k_offset");
-    m.kst = input<int>(t[5], "k_starts"); m.krk = input<int>(t[6], "k_ranks");
-    m.vr = input<uint8_t>(v_rows, "v_rows"); m.vs = input<float>(v_scale, "v_scale"); m.vo = input<float>(t[9], "v_offset");
-    m.vst = input<int>(t[10], "v_starts"); m.vrk = input<int>(t[11], "v_ranks");
-    m.stat = input<int>(t[12], "row_stat");
-    TORCH_CHECK(coef.is_contiguous() && lse.is_contiguous(), "coef and lse must be contiguous");
-    m.coef = coef.data_ptr<float>(); m.lse = lse.data_ptr<float>();
-    m.H = qp.size(0); m.G = qp.size(1); m.RK = qp.size(2); m.RV = coef.size(3);
-    m.N = k_rows.size(0); m.S = coef.size(0);
-    m.kbytes = k_rows.size(1); m.vbytes = v_rows.size(1);
-    m.kbits = flags[0]; m.vbits = flags[1]; m.vrow = flags[2];
-    m.kC = m.kst[m.H - 1] + m.krk[m.H - 1]; m.vC = m.vst[m.H - 1] + m.vrk[m.H - 1];
-    TORCH_CHECK(k_scale.size(1) == m.kC && k_rows.size(1) * 8 >= m.kC * m.kbits, "key codes/statistics do not match the ranks");
-    TORCH_CHECK(m.vrow ? v_scale.size(0) == m.N && v_scale.size(1) == m.H : v_scale.size(1) == m.vC,
-                "value statistics do not match their mode");
-    TORCH_CHECK(v_rows.size(1) * 8 >= m.vC * m.vbits, "value codes do not match the ranks");
-    TORCH_CHECK(lse.size(0) == m.S && t[12].size(0) == m.N, "split outputs or row index do not match");
-    return m;
+static Side side(const at::Tensor *t, const int64_t *f, int H, int N, const char *name) {
+    // t: rows, scale, offset, starts, ranks; f: bits, parts, part_codes, row_stride, part_stride,
+    // stat_a, stat_b, per_row
+    Side s;
+    s.rows = input<uint8_t>(t[0], name);
+    s.scale = input<float>(t[1], name); s.offset = input<float>(t[2], name);
+    s.starts = input<int>(t[3], name); s.ranks = input<int>(t[4], name);
+    s.bits = f[0]; s.parts = f[1]; s.part_codes = f[2]; s.row_stride = f[3]; s.part_stride = f[4];
+    s.stat_a = f[5]; s.stat_b = f[6]; s.per_row = f[7];
+    TORCH_CHECK(s.bits == 2 || s.bits == 4 || s.bits == 8 || s.bits == 32, name, ": bits must be 2, 4, 8 or 32");
+    TORCH_CHECK(t[3].numel() == H && t[4].numel() == H, name, ": one start and rank per kv-head");
+    TORCH_CHECK((int64_t)s.part_codes * s.bits <= s.row_stride * 8 && s.parts >= 1 &&
+                (N == 0 || t[0].numel() >= (N - 1) * s.row_stride + (s.parts - 1) * s.part_stride +
+                                               ((int64_t)s.part_codes * s.bits + 7) / 8),
+                name, ": codes do not fit their rows");
+    for (int h = 0; h < H; ++h) {
+        int p = s.part_codes ? s.starts[h] / s.part_codes : 0;
+        TORCH_CHECK(s.ranks[h] == 0 || (s.starts[h] >= 0 && p < s.parts && s.starts[h] + s.ranks[h] <= (p + 1) * s.part_codes),
+                    name, ": a head's columns must lie within one run of codes");
+    }
+    return s;
 }
 
-static void run_splits(const MidSegment &m, int s0, int s1, float cap) {
-    mid_decode_splits(m.qp, m.qb, m.H, m.G, m.RK, m.RV, m.N, m.S, s0, s1, cap,
-                      m.kr, m.kbytes, m.ks, m.ko, m.kC, m.kst, m.krk, m.kbits,
-                      m.vr, m.vbytes, m.vs, m.vo, m.vC, m.vst, m.vrk, m.vbits, m.vrow, m.stat, m.coef, m.lse);
+static const int SEGMENT_TENSORS = 15, SEGMENT_INTS = 18;
+
+// Per segment, 15 tensors: qp [H, G, RK], qb [H, G], then for keys and for values: rows (uint8),
+// scale, offset (float32), starts, ranks (int32 [H]); row_stat [N] int32, out [H, G, RV] and
+// lse [H, G] (both written). And 18 ints: N, then 8 per side (see `side`), then the number of
+// splits of the rows.
+static Segment segment(const at::Tensor *t, const int64_t *f) {
+    Segment sg;
+    const at::Tensor &qp = t[0], &out = t[13], &lse = t[14];
+    sg.qp = input<float>(qp, "qp"); sg.qb = input<float>(t[1], "qb");
+    sg.H = qp.size(0); sg.G = qp.size(1); sg.RK = qp.size(2); sg.RV = out.size(2);
+    sg.N = f[0]; sg.S = f[17];
+    sg.k = side(t + 2, f + 1, sg.H, sg.N, "keys");
+    sg.v = side(t + 7, f + 9, sg.H, sg.N, "values");
+    sg.row_stat = input<int>(t[12], "row_stat");
+    TORCH_CHECK(t[12].numel() == sg.N && sg.S >= 1, "row_stat must have N rows, splits >= 1");
+    sg.out = const_cast<float *>(input<float>(out, "out")); sg.lse = const_cast<float *>(input<float>(lse, "lse"));
+    TORCH_CHECK(out.size(0) == sg.H && out.size(1) == sg.G && lse.numel() == sg.H * sg.G, "out/lse shapes");
+    for (int h = 0; h < sg.H; ++h)
+        TORCH_CHECK(sg.k.ranks[h] <= sg.RK && sg.v.ranks[h] <= sg.RV, "a rank exceeds the query or output width");
+    sg.coef.resize((size_t)sg.S * sg.H * sg.G * sg.RV);
+    sg.split_lse.resize((size_t)sg.S * sg.H * sg.G);
+    return sg;
 }
 
-// Every split of every Mid segment of a decode batch (each segment one sequence's Mid or Mid
-// epoch): work items are (segment, split of rows), all kv-heads of a split at once; `threads`
-// threads take contiguous runs of items holding about equal numbers of rows. cap: logit softcap,
-// 0 for none.
-void mid_decode_batch(const std::vector<at::Tensor> &tensors, const std::vector<int64_t> &flags,
-                      int64_t threads, double cap) {
-    TORCH_CHECK(tensors.size() % 15 == 0 && flags.size() * 5 == tensors.size(),
-                "15 tensors and 3 flags per segment");
-    std::vector<MidSegment> segs;
+// Every split of every segment of a decode batch: work items are (segment, split of rows), all
+// kv-heads of a split at once; `threads` threads take contiguous runs of items holding about
+// equal numbers of rows; then each segment's splits are merged. cap: logit softcap, 0 for none.
+void decode_segments(const std::vector<at::Tensor> &tensors, const std::vector<int64_t> &ints, int64_t threads,
+                     double cap) {
+    TORCH_CHECK(tensors.size() % SEGMENT_TENSORS == 0 &&
+                    ints.size() * SEGMENT_TENSORS == tensors.size() * SEGMENT_INTS,
+                "15 tensors and 18 ints per segment");
+    std::vector<Segment> segs;
+    for (size_t i = 0; i * SEGMENT_TENSORS < tensors.size(); ++i)
+        segs.push_back(segment(&tensors[i * SEGMENT_TENSORS], &ints[i * SEGMENT_INTS]));
     std::vector<std::pair<int, int>> items;  // (segment, split)
-    std::vector<int64_t> first_row;  // rows before each item
+    std::vector<int64_t> first_row;          // rows before each item
     int64_t rows = 0;
-    for (size_t i = 0; i * 15 < tensors.size(); ++i) {
-        segs.push_back(check_segment(&tensors[i * 15], &flags[i * 3]));
-        const MidSegment &m = segs.back();
-        int per = (m.N + m.S - 1) / m.S;
-        for (int s = 0; s < m.S; ++s) {
+    for (size_t i = 0; i < segs.size(); ++i) {
+        const Segment &sg = segs[i];
+        int per = (sg.N + sg.S - 1) / sg.S;
+        for (int s = 0; s < sg.S; ++s) {
             items.emplace_back((int)i, s);
             first_row.push_back(rows);
-            int n0 = s * per, n1 = n0 + per < m.N ? n0 + per : m.N;
-            rows += n1 > n0 ? n1 - n0 : 0;
+            rows += std::max(0, std::min(sg.N, (s + 1) * per) - s * per);
         }
     }
     int workers = (int)std::max<int64_t>(1, std::min<int64_t>(threads, (int64_t)items.size()));
     float capf = (float)cap;
-    auto run = [&](int w) {  // the items whose first row lies in worker w's share of all rows
+    auto run = [&](int wk) {  // the items whose first row lies in worker wk's share of all rows
         for (size_t j = 0; j < items.size(); ++j) {
             int owner = rows ? (int)std::min<int64_t>(workers - 1, first_row[j] * workers / rows) : 0;
-            if (owner == w) run_splits(segs[items[j].first], items[j].second, items[j].second + 1, capf);
+            if (owner == wk) run_splits(segs[items[j].first], items[j].second, items[j].second + 1, capf);
         }
     };
     pybind11::gil_scoped_release no_gil;
     std::vector<std::thread> pool;
-    for (int w = 1; w < workers; ++w) pool.emplace_back(run, w);
+    for (int wk = 1; wk < workers; ++wk) pool.emplace_back(run, wk);
     run(0);
     for (auto &t : pool) t.join();
+    for (Segment &sg : segs) merge_splits(sg);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("mid_decode_batch", &mid_decode_batch, "Fused Mid-segment decode attention over a batch of segments");
+    m.def("decode_segments", &decode_segments, "Fused decode attention over a batch of quantized segments");
 }

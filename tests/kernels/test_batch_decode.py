@@ -117,8 +117,13 @@ def test_fallback_without_c_kernel_equals_c_kernel(monkeypatch):
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5 * slow.abs().max().item())
 
 
-def test_recent_codes_of_one_batch_share_their_encoding():
+def test_recent_codes_of_one_batch_may_differ_in_encoding(monkeypatch):
+    """The kernel reads each sequence's Recent codes on their own; the torch fallback decodes a
+    batch's Recent codes at once, so there they must share their encoding."""
     common = dict(kv_heads=1, group=1, dk=32, dv=32, exact=1, recent_pages=1, mid_page_rows=(0,))
     segs = [synthetic_segments(**common, recent_bits=8), synthetic_segments(**common, recent_bits=4)]
+    q = torch.randn(2, 1, 32)
+    _check_rows(q, segs, fast_decode.decode_attention_batch(q, segs, 0.2), 0.2, None)
+    monkeypatch.setattr(cpu_decode, "mid_kernel", lambda: None)
     with pytest.raises(ValueError, match="share bits"):
-        fast_decode.decode_attention_batch(torch.randn(2, 1, 32), segs, 0.2)
+        fast_decode.decode_attention_batch(q, segs, 0.2)
