@@ -74,14 +74,66 @@ def _codes_view(mid: MidSegment) -> MidCodes | None:
         _row_stat(mid.keys), projected=False, value_stats_per_row=True)
 
 
+class _PagesView:
+    """The exact and Recent pages of one sequence-layer as a decode step reads them, kept between
+    steps so that a step does not walk every page of a long sequence.
+
+    Pages are only appended to a sequence and only move forward (exact -> Recent -> Mid, or
+    dropped), never back: the pages that can be exact or Recent now are the ones that were, plus
+    the pages appended since. A step checks those few (their slot and Recent codes, O(window));
+    when they changed or pages were appended, only they and the new pages are looked at again.
+    The Recent pages' codes are stacked once per change of the window, not per step."""
+
+    def __init__(self, cache: LayerCache, entry, previous: "_PagesView | None"):
+        pages = entry.pages
+        if previous is not None and previous.pages is pages and previous.count <= len(pages):
+            candidates = sorted(previous.exact + previous.recent) + list(range(previous.count, len(pages)))
+        else:
+            candidates = range(len(pages))
+        self.pages, self.count = pages, len(pages)
+        self.exact = [i for i in candidates if pages[i].slot is not None]
+        self.recent = [i for i in candidates if pages[i].recent is not None]
+        self.state = self._state()
+        reused = previous is not None and previous.pages is pages and previous.recent == self.recent and all(
+            pages[i].recent is r for i, r in zip(self.recent, previous.state[1]))
+        if reused:
+            self.recent_codes = previous.recent_codes
+        elif self.recent:
+            codes = [(pages[i].recent.keys, pages[i].recent.values) for i in self.recent]
+            self.recent_codes = RecentCodes.from_pages(codes, cache.config.page_size)
+        else:
+            self.recent_codes = None
+
+    def _state(self) -> tuple:
+        """What the view was built from: the exact pages' slots, the Recent pages' codes."""
+        return (tuple(self.pages[i].slot for i in self.exact), tuple(self.pages[i].recent for i in self.recent))
+
+    def current(self, entry) -> bool:
+        return self.pages is entry.pages and self.count == len(entry.pages) and self._state() == self.state
+
+
+_PAGE_VIEWS: dict[int, _PagesView] = {}  # id(sequence entry) -> its view, dropped with the entry
+
+
+def _pages_view(cache: LayerCache, entry) -> _PagesView:
+    view = _PAGE_VIEWS.get(id(entry))
+    if view is not None and view.current(entry):
+        return view
+    if view is None:
+        weakref.finalize(entry, _PAGE_VIEWS.pop, id(entry), None)
+    view = _PAGE_VIEWS[id(entry)] = _PagesView(cache, entry, view)
+    return view
+
+
 def decode_segments(cache: LayerCache, seq: int, k_new: Tensor | None = None, v_new: Tensor | None = None) -> DecodeSegments:
     """DecodeSegments of sequence ``seq`` in a ``LayerCache``, plus the step's new
     k/v [Hkv, 1, d] appended to the exact segment (the new token sees itself)."""
     entry = cache.sequences.get(seq)
     ks, vs = [], []
-    if entry is not None and entry.length:
+    view = _pages_view(cache, entry) if entry is not None and entry.pages else None
+    if view is not None and entry.length:
         pool = cache.pool
-        exact_pages = [p for p in entry.pages if p.slot is not None]
+        exact_pages = [entry.pages[i] for i in view.exact]
         ks = [pool.keys[p.slot, :, : p.tokens] for p in exact_pages]
         vs = [pool.values[p.slot, :, : p.tokens] for p in exact_pages]
     if k_new is not None:
@@ -89,8 +141,7 @@ def decode_segments(cache: LayerCache, seq: int, k_new: Tensor | None = None, v_
     exact = (torch.cat(ks, 1), torch.cat(vs, 1)) if ks else None  # one copy of the exact pages
     if entry is None:
         return DecodeSegments(exact=exact)
-    recent_pages = [(p.recent.keys, p.recent.values) for p in entry.pages if p.recent is not None]
-    recent = RecentCodes.from_pages(recent_pages, cache.config.page_size) if recent_pages else None
+    recent = view.recent_codes if view is not None else None
     mid = other = None
     if entry.mid is not None and entry.mid.tokens:
         mid = mid_codes(entry.mid)
