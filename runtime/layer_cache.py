@@ -43,6 +43,62 @@ class Page(PageState):
     recent: RecentPage | None = None
     mass: torch.Tensor | None = None  # [Hkv, tokens] accumulated attention mass (policies that track it)
 
+    def nbytes(self, slot_nbytes: int) -> int:
+        """Bytes the page holds outside Mid: a Terminal page costs a full exact slot, also while
+        it is opening and has none yet."""
+        if self.slot is not None or self.phase is Phase.TERMINAL:
+            return slot_nbytes
+        return self.recent.nbytes if self.recent else 0
+
+    def __setattr__(self, name: str, value) -> None:
+        """Keep the sequence's `PageBytes` (once the page is counted there) in step with every
+        assignment that changes what the page holds, whoever makes it."""
+        count = self.__dict__.get("_count") if name in _COUNTED_FIELDS else None
+        if count is not None:
+            count.remove(self)
+        object.__setattr__(self, name, value)
+        if count is not None:
+            count.add(self)
+
+
+# The Page fields whose assignment changes the page's bytes (its phase moves them between kinds).
+_COUNTED_FIELDS = frozenset({"phase", "slot", "recent", "mass"})
+
+
+class PageBytes:
+    """The bytes one sequence-layer's pages hold outside Mid, by phase, and their attention mass.
+
+    Counted as they change (`Page.__setattr__`: the lifecycle moves phases, this store gives and
+    frees slots and Recent codes, the session accumulates mass), so that accounting, read on every
+    serving step and for every page entering Mid, never walks a sequence's pages. Pages are
+    counted from when they are given storage (`track`); one still opening is Terminal and costs
+    a slot (`Page.nbytes`)."""
+
+    def __init__(self):
+        self.by_phase = dict.fromkeys(Phase, 0)
+        self.mass = 0
+        self.pages = 0  # pages counted: the first `pages` of the sequence
+        self.slot_nbytes = 0  # the layer pool's, known once it exists
+
+    @property
+    def total(self) -> int:
+        """Bytes of the counted pages outside Mid (their attention mass is metadata)."""
+        return sum(self.by_phase.values())
+
+    def track(self, page: Page, slot_nbytes: int) -> None:
+        self.slot_nbytes = slot_nbytes
+        object.__setattr__(page, "_count", self)
+        self.pages += 1
+        self.add(page)
+
+    def add(self, page: Page) -> None:
+        self.by_phase[page.phase] += page.nbytes(self.slot_nbytes)
+        self.mass += page.mass.nbytes if page.mass is not None else 0
+
+    def remove(self, page: Page) -> None:
+        self.by_phase[page.phase] -= page.nbytes(self.slot_nbytes)
+        self.mass -= page.mass.nbytes if page.mass is not None else 0
+
 
 @dataclass
 class Moves:
@@ -69,7 +125,9 @@ class SequenceKV(SequenceState):
     retired: list[MidSegment] = field(default_factory=list)  # earlier Mid epochs, each with its bases
     planned: dict[int, torch.Tensor] = field(default_factory=dict)  # page index -> kept tokens [Hkv, keep]
     dropped: int = 0  # tokens of the leading pages released because they left the sliding window
+    evicted: int = 0  # tokens of the pages in Mid that were not kept
     moves: Moves = field(default_factory=Moves)  # pending until the append ends
+    page_bytes: PageBytes = field(default_factory=PageBytes)
 
 
 @dataclass
@@ -149,6 +207,7 @@ class LayerCache(Lifecycle):
         return Page(Phase.TERMINAL)
 
     def _page_opened(self, entry: SequenceKV, page: Page) -> None:
+        entry.page_bytes.track(page, self.pool.page_nbytes)
         page.slot = self.pool.allocate()
         self._refresh_block_table(entry)
 
@@ -181,6 +240,7 @@ class LayerCache(Lifecycle):
             entry.moves.mid.append((self._page_kv(page) if pending is None else pending, kept))
             count = kept.shape[1]
         page.recent, page.mass = None, None
+        entry.evicted += page.tokens - count
         return count
 
     def _flush(self, entry: SequenceKV) -> None:
@@ -237,16 +297,17 @@ class LayerCache(Lifecycle):
         `length` or later and sees keys after `length - window`."""
         first_visible = entry.length - self.window + 1
         P = self.config.page_size
-        for index, page in enumerate(entry.pages[:-1]):
+        dropped = entry.dropped
+        for index in range(dropped // P, len(entry.pages) - 1):  # the dropped pages are the first, full ones
             if (index + 1) * P > first_visible:
                 break
-            if page.dropped:
-                continue
+            page = entry.pages[index]
             if page.slot is not None:
                 self.pool.release(page.slot)
             page.slot, page.recent, page.dropped = None, None, True
             entry.dropped += page.tokens
-        self._refresh_block_table(entry)
+        if entry.dropped != dropped:
+            self._refresh_block_table(entry)
 
     def first_held(self, seq: int) -> int:
         """Index of the first token still held (tokens before it left a sliding window)."""
@@ -258,8 +319,7 @@ class LayerCache(Lifecycle):
         entry = self.sequences.get(seq)
         if entry is None:
             return 0
-        evicted = sum(p.tokens - p.kept for p in entry.pages if p.kept is not None)
-        return entry.length - entry.dropped - evicted
+        return entry.length - entry.dropped - entry.evicted
 
     def _refresh_block_table(self, entry: SequenceKV) -> None:
         entry.block_table = torch.tensor([p.slot for p in entry.pages if p.slot is not None], dtype=torch.int32)
@@ -380,14 +440,14 @@ class LayerCache(Lifecycle):
         """What the sequence-layer will hold at the append's end besides the group's Mid rows:
         Mid epochs so far (with their bases), the exact and Recent pages of the end state,
         metadata."""
-        moving = set(group)
-        phases = [self.plan.phase(i, count) for i in range(count) if i not in moving]
-        recent = sum(phase is Phase.RECENT for phase in phases)
-        exact = sum(phase in (Phase.INITIAL, Phase.TERMINAL) for phase in phases)
+        phases = self.plan.counts(count)  # the group's pages are all Mid at the end
+        recent, exact = phases[Phase.RECENT], phases[Phase.INITIAL] + phases[Phase.TERMINAL]
         held = self.mid_nbytes(entry) + self._metadata_nbytes(entry)
-        return held + exact * self.pool.page_nbytes + (recent * self._recent_page_nbytes() if recent else 0)
+        return held + exact * self.pool.page_nbytes + (recent * self._recent_page_nbytes if recent else 0)
 
+    @functools.cached_property
     def _recent_page_nbytes(self) -> int:
+        """A full Recent page's bytes (known once the pool, which sets the shapes, exists)."""
         if self.recent_bits is None:
             return self.pool.page_nbytes
         P, keys, values = self.config.page_size, self.pool.keys, self.pool.values
@@ -444,19 +504,15 @@ class LayerCache(Lifecycle):
 
     # -- accounting ----------------------------------------------------------------------------
     def page_nbytes(self, page: Page) -> int:
-        # A Terminal page costs a full exact slot, also while it is opening and has none yet.
-        if page.slot is not None or page.phase is Phase.TERMINAL:
-            return self.pool.page_nbytes
-        return page.recent.nbytes if page.recent else 0
+        return page.nbytes(self.pool.page_nbytes)
 
     @staticmethod
     def _epochs(entry: SequenceKV) -> list[MidSegment]:
         return entry.retired + ([entry.mid] if entry.mid is not None else [])
 
     def _metadata_nbytes(self, entry: SequenceKV) -> int:
-        mass = sum(p.mass.nbytes for p in entry.pages if p.mass is not None)
         observation = entry.observation.nbytes if entry.observation is not None else 0
-        return entry.block_table.nbytes + observation + mass
+        return entry.block_table.nbytes + observation + entry.page_bytes.mass
 
     def over_budget(self, seq: int) -> bool:
         """Whether `seq` holds more than its budget now (possible when the exact pages and
@@ -470,14 +526,23 @@ class LayerCache(Lifecycle):
         return sum(m.nbytes for m in self._epochs(entry))
 
     def sequence_nbytes(self, entry: SequenceKV) -> int:
-        return sum(self.page_nbytes(p) for p in entry.pages) + self.mid_nbytes(entry) + self._metadata_nbytes(entry)
+        pages = entry.page_bytes.total + self._opening_nbytes(entry)
+        return pages + self.mid_nbytes(entry) + self._metadata_nbytes(entry)
+
+    def _opening_nbytes(self, entry: SequenceKV) -> int:
+        """The Terminal slot of a page opened but not counted yet (during an append, between
+        `_new_page` and `_page_opened`, while the pages before it settle)."""
+        opening = len(entry.pages) - entry.page_bytes.pages
+        return opening * self.pool.page_nbytes if opening else 0
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held per phase, plus free pool slots and metadata (tables, bases, queries)."""
+        """Bytes held per phase, plus free pool slots and metadata (tables, bases, queries):
+        O(sequences), from each sequence's `PageBytes`."""
         kinds = {phase.value: 0 for phase in Phase} | {"free": 0, "metadata": 0}
         for entry in self.sequences.values():
-            for page in entry.pages:
-                kinds[page.phase.value] += self.page_nbytes(page)
+            for phase, n in entry.page_bytes.by_phase.items():
+                kinds[phase.value] += n
+            kinds[Phase.TERMINAL.value] += self._opening_nbytes(entry)
             for mid in self._epochs(entry):  # coded rows are Mid; the head bases are metadata
                 bases = sum(b.nbytes for b in (mid.key_bases, mid.value_bases) if b is not None)
                 kinds["mid"] += mid.nbytes - bases

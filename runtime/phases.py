@@ -49,11 +49,21 @@ class PhasePlan:
 
     def mid_pages(self, num_pages: int) -> int:
         """How many of `num_pages` pages are Mid (arithmetic: called at every Mid transition)."""
-        bound = max(0, num_pages - 1 - self.recent_pages)
-        kept = set(range(min(self.initial_pages, bound)))
+        return self.counts(num_pages)[Phase.MID]
+
+    def counts(self, num_pages: int) -> dict[Phase, int]:
+        """How many of `num_pages` pages are in each phase: `phase` of every page, counted by
+        arithmetic (O(initial and protected pages), not O(num_pages))."""
+        if num_pages == 0:
+            return dict.fromkeys(Phase, 0)
+        before = num_pages - 1  # the pages before the Terminal one
+        bound = max(0, before - self.recent_pages)  # Recent from here on, unless Initial
+        initial = set(range(min(self.initial_pages, before)))
         for start, end in self.protected_spans:
-            kept.update(range(start // self.page_size, min(bound, -(-end // self.page_size))))
-        return bound - len(kept)
+            initial.update(range(start // self.page_size, min(before, -(-end // self.page_size))))
+        below = sum(i < bound for i in initial)
+        return {Phase.INITIAL: len(initial), Phase.MID: bound - below,
+                Phase.RECENT: before - bound - (len(initial) - below), Phase.TERMINAL: 1}
 
     def phase(self, index: int, num_pages: int) -> Phase:
         """Phase of page `index` (0 = oldest) in a sequence of `num_pages` pages."""

@@ -168,11 +168,10 @@ class _Growth:
 
     def exact_pages(self, pages: int) -> int:
         """Pages the lifecycle holds in exact pool slots when a sequence has `pages` pages."""
-        exact = pages - (0 if self.mid.identity else self.plan.mid_pages(pages))
-        if self.recent_bits is not None:  # the Recent pages, just before the Terminal one, are codes
-            behind = range(max(0, pages - 1 - self.plan.recent_pages), pages - 1)
-            exact -= sum(self.plan.phase(i, pages) is Phase.RECENT for i in behind)
-        return exact
+        phases = self.plan.counts(pages)
+        mid = 0 if self.mid.identity else phases[Phase.MID]
+        recent = phases[Phase.RECENT] if self.recent_bits is not None else 0  # Recent codes
+        return pages - mid - recent
 
     def new_slots(self, pool, promised: int, slots: int) -> int | None:
         """Slots the pool adds to hand out `slots` more live slots after `promised` others (None:
