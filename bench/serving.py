@@ -19,12 +19,22 @@ assume it. Lossless (`Config.lossless()`) must give every request the same token
 own cache; that is checked and printed. The machine's load (`os.getloadavg`) before and after is
 recorded: the figures are wall-clock rates on shared cores.
 
-Reported per engine: peak concurrent requests (requests the scheduler holds active at once),
-aggregate decode tokens/s (generated tokens over the run's wall time), median time to first
-token (from arrival), peak KV bytes.
+Reported per engine (the JSON's names):
+- `peak_concurrent`: requests the scheduler holds active at once, at most;
+- `decode_tokens_per_s`: generated tokens over the whole run's wall time, prefill included. With
+  long prompts and few new tokens prefill compute sets it (20 prompts of 8K tokens are 164K
+  prompt tokens against 640 generated), so concurrency can barely move it;
+- `decode_only_tokens_per_s`: tokens generated in the engine steps whose batch holds only decode
+  steps (one token per request, no prefill chunk), over those steps' wall time
+  (`decode_only_steps`, `decode_only_s`, `decode_only_tokens`): the rate while the engine decodes,
+  which is where holding more requests at once pays. `prefill_steps` / `prefill_s`: the other steps
+  (every batch holding a prompt chunk, with or without decode steps beside it);
+- `median_ttft_s`: median time to first token, from arrival;
+- `peak_kv_bytes`: the most K/V bytes held (the engine's own cache: its whole preallocated cache).
+`vs_engine` divides each by the engine's own figure. `--threads` sets torch's CPU threads.
 
     python bench/serving.py [--requests 10] [--min-prompt 4096] [--max-prompt 16384] [--budget-mb 12]
-                            [--admission ratio|bytes] [--out bench/results/serving.json]
+                            [--admission ratio|bytes] [--threads N] [--out bench/results/serving.json]
 """
 
 from __future__ import annotations
@@ -80,6 +90,7 @@ def run_engine(model, plans, num_blocks: int, max_batch_tokens: int, session=Non
     manager.batch_processor, manager.current_batch = processor, 0
     pending, arrived, outputs, step = list(plans), {}, {}, 0
     peak_active = peak_bytes = 0
+    phases = {"decode_only": [0, 0.0, 0], "prefill": [0, 0.0, 0]}  # steps, seconds, tokens generated
     t0 = time.perf_counter()
     with torch.no_grad():
         while len(outputs) < len(plans):
@@ -88,7 +99,14 @@ def run_engine(model, plans, num_blocks: int, max_batch_tokens: int, session=Non
                 manager.add_request(prompt, request_id=rid, max_new_tokens=new, record_timestamps=True)
                 arrived[rid] = time.perf_counter()
             if len(arrived) > len(outputs):  # something to run (else only the clock of arrivals moves)
+                batches, started = manager.current_batch, time.perf_counter()
                 manager._generation_loop_body(processor, bootstrapping=False)
+                if manager.current_batch > batches:  # a forward ran: what its batch held
+                    batch = processor.inputs_and_outputs.requests_in_batch
+                    phase = phases["decode_only" if all(r.query_length == 1 for r in batch) else "prefill"]
+                    phase[0] += 1
+                    phase[1] += time.perf_counter() - started
+                    phase[2] += sum(r.has_new_token for r in batch)
                 peak_active = max(peak_active, len(processor.scheduler.active_requests))
                 held = session.stats().total_bytes if session is not None else kv_bytes
                 peak_bytes = max(peak_bytes, held)
@@ -104,11 +122,35 @@ def run_engine(model, plans, num_blocks: int, max_batch_tokens: int, session=Non
     generated = sum(len(out.generated_tokens) for out in outputs.values())
     ttft = [out.timestamps[0] - arrived[rid] for rid, out in outputs.items() if out.timestamps]
     misses = manager.kv_cache.budget_misses if session is not None else 0
+    (decode_steps, decode_s, decode_tokens), (prefill_steps, prefill_s, _) = phases["decode_only"], phases["prefill"]
     return {"wall_s": round(wall, 2), "steps": step, "peak_concurrent": peak_active, "peak_kv_bytes": int(peak_bytes),
             "budget_misses": misses,
             "generated_tokens": generated, "decode_tokens_per_s": round(generated / wall, 2),
+            "decode_only_steps": decode_steps, "decode_only_s": round(decode_s, 2), "decode_only_tokens": decode_tokens,
+            "decode_only_tokens_per_s": round(decode_tokens / decode_s, 2) if decode_s else None,
+            "prefill_steps": prefill_steps, "prefill_s": round(prefill_s, 2),
             "median_ttft_s": round(statistics.median(ttft), 2) if ttft else None,
             "tokens": {rid: out.generated_tokens for rid, out in outputs.items()}}
+
+
+# What each figure of a run means (written into the JSON next to them).
+FIGURES = {
+    "decode_tokens_per_s": "generated tokens / the whole run's wall time (prefill included)",
+    "decode_only_tokens_per_s": "tokens generated in steps whose batch holds only decode steps / those steps' "
+                                "wall time",
+    "decode_only_steps": "engine steps whose batch holds only decode steps (one token per request)",
+    "decode_only_s": "wall time of those steps",
+    "decode_only_tokens": "tokens generated in those steps",
+    "prefill_steps": "engine steps whose batch holds a prompt chunk (with or without decode steps)",
+    "prefill_s": "wall time of those steps",
+    "median_ttft_s": "median time from a request's arrival to its first generated token",
+    "peak_concurrent": "most requests the scheduler held active at once",
+    "peak_kv_bytes": "most K/V bytes held (the engine's own cache: its whole preallocated cache)",
+}
+
+
+def _ratio(a, b):
+    return round(a / b, 2) if a is not None and b else None
 
 
 def main() -> None:
@@ -123,6 +165,7 @@ def main() -> None:
     p.add_argument("--admission", choices=("ratio", "bytes"), default="ratio",
                    help="kvtopo admitted by target_ratio x the engine's blocks, or by its measured bytes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving.json"))
     args = p.parse_args()
 
@@ -131,6 +174,8 @@ def main() -> None:
     from kvtopo.runtime.session import Session
     from kvtopo.serving.continuous_batching import ledger_blocks
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = zoo.build("llama")
     per_token = kv_bytes_per_token(model)
@@ -167,6 +212,7 @@ def main() -> None:
         row["within_budget"] = row["peak_kv_bytes"] <= budget
         runs[name] = row
         print(f"  {name:42s} peak concurrent {row['peak_concurrent']:3d}   {row['decode_tokens_per_s']:8.2f} tok/s   "
+              f"decode-only steps {row['decode_only_tokens_per_s']} tok/s ({row['decode_only_steps']} steps)   "
               f"median TTFT {row['median_ttft_s']} s   peak KV {row['peak_kv_bytes'] / 1e6:7.2f} MB "
               f"({'within' if row['within_budget'] else 'OVER'} budget)", flush=True)
 
@@ -175,8 +221,11 @@ def main() -> None:
     print(f"lossless tokens equal the engine's own: {same}")
     for row in runs.values():
         row["vs_engine"] = {"concurrent": round(row["peak_concurrent"] / own["peak_concurrent"], 2),
-                            "decode_tokens_per_s": round(row["decode_tokens_per_s"] / own["decode_tokens_per_s"], 2)}
-    result = {"model": "zoo llama (float32, CPU)", "args": vars(args), "budget_bytes": budget,
+                            "decode_tokens_per_s": round(row["decode_tokens_per_s"] / own["decode_tokens_per_s"], 2),
+                            "decode_only_tokens_per_s": _ratio(row["decode_only_tokens_per_s"],
+                                                               own["decode_only_tokens_per_s"])}
+    result = {"model": "zoo llama (float32, CPU)", "args": vars(args), "threads": torch.get_num_threads(),
+              "figures": FIGURES, "budget_bytes": budget,
               "engine_blocks_for_budget": blocks, "lossless_tokens_equal": same,
               "load_avg_before": [round(x, 2) for x in load_before],
               "load_avg_after": [round(x, 2) for x in os.getloadavg()],
