@@ -17,7 +17,7 @@ one the same decode query and new token are timed through:
   dense bf16 SDPA   the same in bfloat16;
   kvtopo <config>   `kvtopo.runtime.decode_view.attend_cache`: gathers the stored codes
                     (exact pages + new token, Recent codes, packed Mid codes) and runs the CPU
-                    path (fused C kernel over the Mid codes), end to end per layer.
+                    path (one C kernel call over all of them), end to end per layer.
 
 Configs: "default" = kvtopo.Config() (topo, target 8x vs fp16, Mid as 4-bit KIVI-style codes:
 keys per channel per page, values per token, read by the C kernel on an identity basis);
@@ -47,8 +47,8 @@ grown to each length in turn; one decode step of all B timed as
   dense_fp32          one SDPA over the batch's uncompressed K/V [B, Hkv, L+1, d] (GQA folded);
   dense_fp32_one      the same for sequence 0 alone (batch 1);
   <config>_batched    `decode_view.attend_cache_batch`: every sequence's segments gathered, one
-                      batched decode call (one padded attention over exact + Recent, one C
-                      kernel call over every Mid segment);
+                      batched decode call (one C kernel call over every exact, Recent and Mid
+                      segment of every sequence);
   <config>_singles    B calls of `decode_view.attend_cache`, one per sequence (batch 1, B times);
   <config>_one        that call for sequence 0 alone (batch 1);
   copy                `dst.copy_(src)` of a 256 MiB float32 buffer: the memory bandwidth this run
@@ -371,6 +371,7 @@ def batch_summary(row: dict, name: str) -> dict:
         "dense_fp32_over_batched": {s: row["dense_fp32"][s] / batched[s] for s in stats},
         "dense_fp32_one_over_one": {s: row["dense_fp32_one"][s] / row[f"{name}_one"][s] for s in stats},
         "batched_fraction_of_copy_GBps": batched["fraction_of_copy_GBps"],
+        "one_fraction_of_copy_GBps": row[f"{name}_one"]["fraction_of_copy_GBps"],
         "singles_fraction_of_copy_GBps": row[f"{name}_singles"]["fraction_of_copy_GBps"],
         "dense_fp32_fraction_of_copy_GBps": row["dense_fp32"]["fraction_of_copy_GBps"],
     }
