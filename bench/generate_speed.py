@@ -1,9 +1,10 @@
 """End-to-end generation: kvtopo.generate (default Config, and lossless) vs HF generate with its
 normal cache.
 
-One command: `python bench/generate_speed.py [--prompts 4096 16384 32768] [--new 32]`. Each mode runs
-in its own subprocess so its peak resident memory (ru_maxrss) is its own; the model is the Llama zoo
-model (tiny: the KV cache, not the weights, is what differs). For each prompt length, after a
+One command: `python bench/generate_speed.py [--prompts 4096 16384 32768] [--new 32] [--model llama-8layer]`.
+Each mode runs in its own subprocess so its peak resident memory (ru_maxrss) is its own; the model is
+a Llama zoo model (`--model`: `llama`, 2 layers, the default, or `llama-8layer`; tiny either way: the
+KV cache, not the weights, is what differs). For each prompt length, after a
 warm-up call at that length (compilation, allocation), each mode times (best of `--reps`) the whole generate call
 (prefill + `new` tokens), stamping the end of each forward inside the call, so the time to the
 first token and the decode rate (`new - 1` steps over the time from the first token to the last)
@@ -28,6 +29,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("hf", "lossless", "kvtopo")
+MODELS = ("llama", "llama-8layer")  # zoo models
 
 
 def _stamped(model):
@@ -63,7 +65,7 @@ class _StampLogits:
         return scores
 
 
-def run_mode(mode: str, prompts: list[int], new: int, reps: int) -> list[dict]:
+def run_mode(mode: str, model_name: str, prompts: list[int], new: int, reps: int) -> list[dict]:
     import torch
     from transformers import LogitsProcessorList
 
@@ -71,7 +73,7 @@ def run_mode(mode: str, prompts: list[int], new: int, reps: int) -> list[dict]:
     from kvtopo.models import zoo
 
     torch.set_num_threads(1)
-    model = zoo.build("llama", max_position_embeddings=max(prompts) + new + 8)
+    model = zoo.build(model_name, max_position_embeddings=max(prompts) + new + 8)
     if mode != "hf":
         kvtopo.compile(model, inductor=False)
     config = kvtopo.Config() if mode == "kvtopo" else kvtopo.Config.lossless()
@@ -121,19 +123,20 @@ def main() -> None:
     p.add_argument("--prompts", type=int, nargs="+", default=[4096])
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--reps", type=int, default=2, help="timed calls per length; the best of each figure is kept")
+    p.add_argument("--model", choices=MODELS, default="llama", help="zoo model (default llama: 2 layers)")
     p.add_argument("--out", type=Path, default=RESULTS / "generate_speed.json")
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.new < 2:
         p.error("--new must be >= 2 (the decode rate is measured beyond the first token)")
     if args.mode:
-        print(json.dumps(run_mode(args.mode, args.prompts, args.new, args.reps)))
+        print(json.dumps(run_mode(args.mode, args.model, args.prompts, args.new, args.reps)))
         return
     load_before = os.getloadavg()
     by_mode = {}
     for mode in MODES:
         print(f"running {mode} at {args.prompts} ...", flush=True)
-        done = subprocess.run([sys.executable, __file__, "--mode", mode, "--prompts", *map(str, args.prompts),
+        done = subprocess.run([sys.executable, __file__, "--mode", mode, "--model", args.model, "--prompts", *map(str, args.prompts),
                                "--new", str(args.new), "--reps", str(args.reps)],
                               capture_output=True, text=True)
         if done.returncode:
@@ -154,7 +157,7 @@ def main() -> None:
                   f"{r['decode_tokens_per_s_vs_hf']:18.2f} {r['peak_rss_mb']:11.0f} {str(r['kv_bytes']):>10} "
                   f"{r['agreement_with_lossless']:10.0%}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "threads": 1, "model": "llama zoo", "reps": args.reps,
+    args.out.write_text(json.dumps({"rows": rows, "threads": 1, "model": f"{args.model} zoo", "reps": args.reps,
                                     "load_avg_before": [round(x, 2) for x in load_before],
                                     "load_avg_after": [round(x, 2) for x in os.getloadavg()]}, indent=1))
     print(f"wrote {args.out}")

@@ -202,6 +202,42 @@ class LayerCache(Lifecycle):
         if self.window is not None:
             self._drop_outside_window(entry)
 
+    def append_decode(self, seqs: list[int], key: torch.Tensor, value: torch.Tensor) -> None:
+        """Append one token to each of the distinct sequences `seqs` (key/value [B, Hkv, 1, d]).
+
+        A token that lands in its sequence's Terminal page with room left, and starts no Mid epoch,
+        moves no page (at page size 32, 31 decode steps in 32): those tokens are written into the
+        pool by one indexed copy, which is all `append` would do for them. The others go through
+        `append`. A serving batch appends every decode step of a layer here, so the cost per
+        step is not a Python walk of the lifecycle per sequence."""
+        if len(set(seqs)) != len(seqs) or key.shape[0] != len(seqs) or key.shape[2] != 1:
+            raise ValueError(f"append_decode takes one token for each distinct sequence, got ids {seqs} "
+                             f"for keys of shape {tuple(key.shape)}")
+        P = self.config.page_size
+        rows, slots, offsets, entries = [], [], [], []
+        for i, seq in enumerate(seqs):
+            entry = self.sequences.get(seq)
+            page = entry.pages[-1] if entry is not None and entry.pages else None
+            if (self.window is None and not self.shared_value_dim and page is not None and page.slot is not None
+                    and page.tokens < P and not self.starts_epoch(entry, 1, key.shape[-1])):
+                rows.append(i)
+                slots.append(page.slot)
+                offsets.append(page.tokens)
+                entries.append(entry)
+            else:
+                self.append(seq, key[i], value[i])
+        if not rows:
+            return
+        self._pool_for(key[rows[0]], value[rows[0]])  # checks shapes and dtype against the layer's pool
+        # After the appends above: a pool that grew holds new tensors.
+        slot, offset = torch.tensor(slots), torch.tensor(offsets)
+        self.pool.keys[slot, :, offset] = key[rows, :, 0]
+        self.pool.values[slot, :, offset] = value[rows, :, 0]
+        for entry in entries:
+            entry.pages[-1].tokens += 1
+            entry.length += 1
+            entry.final_length = entry.length
+
     # -- the lifecycle's hooks -----------------------------------------------------------------
     def _new_page(self) -> Page:
         return Page(Phase.TERMINAL)

@@ -129,14 +129,17 @@ class Lifecycle:
         """Before `tokens` new tokens (`chunk`, the executor's) are written: start the Mid epoch
         they need, the first when they bring a page to Mid, a new one when a refit is due."""
         seq.final_length = seq.length + tokens
-        if seq.mid is None and self.reaches_mid(seq.length + tokens):
+        if self.starts_epoch(seq, tokens, head_dim):
             self._new_mid_epoch(seq, chunk)
-        elif seq.next_refit is not None and seq.length + tokens >= seq.next_refit \
-                and tokens + seq.length - seq.mid_tokens >= REFIT_ROWS_PER_DIM * head_dim:
-            self._new_mid_epoch(seq, chunk)
-        else:
-            return
-        seq.next_refit = self.next_refit(seq.length + tokens)
+            seq.next_refit = self.next_refit(seq.length + tokens)
+
+    def starts_epoch(self, seq: SequenceState, tokens: int, head_dim: int) -> bool:
+        """Whether appending `tokens` starts a Mid epoch: the first, when they bring a page to Mid;
+        a new one, when a refit is due and the append brings enough tokens to fit on."""
+        if seq.mid is None:
+            return self.reaches_mid(seq.length + tokens)
+        return seq.next_refit is not None and seq.length + tokens >= seq.next_refit \
+            and tokens + seq.length - seq.mid_tokens >= REFIT_ROWS_PER_DIM * head_dim
 
     def write(self, seq: SequenceState, tokens: int, chunk) -> None:
         """Write the chunk into pages, settling the lifecycle as each page opens: freed storage

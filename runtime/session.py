@@ -4,8 +4,8 @@ Batch row b of every call is sequence b of the session. Each call of `attend` ga
 stored history for each sequence, attends over [history ; new chunk] (causal within the chunk),
 then appends the chunk's new k/v. Tokens marked invalid for the current step (left padding) are
 neither attended to nor stored. Decode steps (one token per sequence) of the whole batch are one
-batched kernel call over the stored codes; the store's bookkeeping (observe, append) stays per
-sequence.
+batched kernel call over the stored codes, and their tokens are stored together
+(`LayerCache.append_decode`); the observation windows are kept per sequence.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ class Session:
         out = attend_cache_batch(cache, seqs, q, k, v, scale, softcap)
         for i, seq in enumerate(seqs):
             cache.observe(seq, q[i], k.shape[1])
-            cache.append(seq, k[i], v[i])
+        cache.append_decode(list(seqs), k, v)
         return out
 
     def _attend_one(self, cache: LayerCache, seq: int, q, k, v, scale: float, softcap: float | None,
