@@ -272,7 +272,10 @@ class KvtopoPagedCache(PagedAttentionCache):
 
     # -- what the engine reports while it packs a batch ----------------------------------------------
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index):
-        super().extend_read_and_write_indices(request_id, past_length, query_length, read_index, write_index)
+        """Record the span; build the engine's write indices only. Its read indices list every
+        token the request holds, rebuilt in Python for every request on every step, and only its
+        own cache reads them: kvtopo attends from its store (`update` reads nothing)."""
+        super().extend_read_and_write_indices(request_id, past_length, query_length, None, write_index)
         self._recorded.append((request_id, past_length, query_length))
 
     def fill_block_table(self, request_id, past_length, query_length, block_table):

@@ -13,6 +13,7 @@ from kvtopo.runtime.session import Session
 from kvtopo.serving import continuous_batching
 from kvtopo.serving.continuous_batching import (ATTN_IMPLEMENTATION, KvtopoBatchingManager, generate_batch,
                                                 ledger_blocks, page_ownership_errors)
+from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
 GREEDY = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
@@ -50,6 +51,11 @@ def test_lossless_tokens_equal_the_engines_own_paged_cache(monkeypatch):
         forwards.append([span.seq for span in cache._spans if span.tokens == 1])
 
     monkeypatch.setattr(continuous_batching.KvtopoPagedCache, "_start_forward", recording_start)
+    # kvtopo attends from its store, so the engine's read indices (every held token) are never built.
+    read_indices = []
+    get_read_indices = FullAttentionCacheAllocator.get_read_indices
+    monkeypatch.setattr(FullAttentionCacheAllocator, "get_read_indices",
+                        lambda alloc, *a: read_indices.append(a) or get_read_indices(alloc, *a))
     attend_sequences, attend_sequence = session.attend_sequences, session.attend_sequence
     session.attend_sequences = lambda layer, seqs, *a, **kw: batched.append((layer, list(seqs))) or attend_sequences(
         layer, seqs, *a, **kw)
@@ -64,6 +70,7 @@ def test_lossless_tokens_equal_the_engines_own_paged_cache(monkeypatch):
         assert out.generated_tokens == own[request_id].generated_tokens, request_id
     layers = [str(i) for i in range(model.config.num_hidden_layers)]
     assert batched == [(layer, seqs) for seqs in forwards if seqs for layer in layers]
+    assert forwards and not read_indices
     assert max(len(seqs) for seqs in forwards) == len(prompts)  # all four decoded in one forward
     assert single and min(single) > 1
     # The kvtopo run went through kvtopo's store: every layer held every request at its peak.
