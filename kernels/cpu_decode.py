@@ -41,7 +41,6 @@ from torch import Tensor
 from .compressed_attention import merge_partials, partial_dense, partial_lowrank
 from .decode_inputs import DecodeSegments, MidCodes, RecentCodes, check_softcap, rank_columns
 
-Segment = MidCodes | RecentCodes | tuple[Tensor, Tensor]  # what the kernel reads: Mid, Recent, exact (keys, values)
 
 SOURCE = Path(__file__).with_name("csrc") / "mid_decode.cpp"
 # The parts of -ffast-math the kernel can take: not -ffinite-math-only, under which its running
@@ -117,38 +116,83 @@ def cpu_decode_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
                      softcap: float | None = None) -> Tensor:
     """Decode attention of a batch, q [B, Hq, d] (one token per sequence) over each sequence's
     segments -> [B, Hq, dv] float32: every segment (exact tokens, Recent pages, Mid and Mid
-    epochs) of every sequence in one C kernel call, then one log-sum-exp merge per sequence (all
-    sequences at once). A sequence's row depends only on its own segments."""
+    epochs) of every sequence in one C kernel call, then one log-sum-exp merge of all sequences.
+    A sequence's row depends only on its own segments."""
     check_softcap(softcap)
     kernel = mid_kernel()
     parts: list[list[tuple[Tensor, Tensor]]] = [[] for _ in segs]  # per sequence: (out [Hq, dv], lse [Hq])
-    coded: list[tuple[int, Segment]] = []
+    coded: list[tuple[int, MidCodes]] = []
     for b, s in enumerate(segs):
-        if kernel is not None:
-            if s.exact is not None and s.exact[0].shape[1]:
-                coded.append((b, s.exact))
-            if s.recent is not None and s.recent.tokens:
-                coded.append((b, s.recent))
-        epochs = ((s.mid,) if s.mid is not None and s.mid.tokens else ()) + tuple(s.retired)
         if s.mid is None and s.mid_other is not None:
             attend = partial_lowrank if s.mid_other_projected else partial_dense
             parts[b].append(_single(attend(q[b, :, None], *s.mid_other, scale, softcap=softcap)))
-        for epoch in epochs:
+        for epoch in ((s.mid,) if s.mid is not None and s.mid.tokens else ()) + tuple(s.retired):
             if isinstance(epoch, MidCodes):
                 coded.append((b, epoch))
             else:
                 parts[b].append(_single(partial_lowrank(q[b, :, None], *epoch, scale, softcap=softcap)))
-    for (b, _), part in zip(coded, coded_partials_cpu(q, coded, scale, softcap)):
-        parts[b].append(part)
-    dense = _dense_batch(q, segs, scale, softcap) if kernel is None else None
-    if dense is None and not all(parts):
+    if kernel is None:
+        for b, mid in coded:
+            parts[b].append(_single(partial_lowrank(q[b, :, None], *mid.decode(), scale, softcap=softcap)))
+        dense = _dense_batch(q, segs, scale, softcap)
+        whole = [dense] if dense is not None else []
+    else:
+        whole = _kernel_partials(kernel, q, segs, coded, parts, scale, softcap)
+    if not whole and not all(parts):
         raise ValueError("decode attention over an empty history")
-    dv = (dense if dense is not None else parts[0][0])[0].shape[-1]
+    dv = (whole[0] if whole else parts[0][0])[0].shape[-1]
     unseen = (q.new_zeros(q.shape[1], dv, dtype=torch.float32),  # pads a sequence with fewer parts
               q.new_full((q.shape[1],), -float("inf"), dtype=torch.float32))
     slots = [tuple(torch.stack([(p[i] if i < len(p) else unseen)[j] for p in parts]) for j in (0, 1))
              for i in range(max(len(p) for p in parts))]  # slot i: every sequence's i-th part
-    return merge_partials(([dense] if dense is not None else []) + slots)
+    return merge_partials(whole + slots)
+
+
+def _kernel_partials(kernel, q: Tensor, segs: Sequence[DecodeSegments], coded: Sequence[tuple[int, MidCodes]],
+                     parts: list[list[tuple[Tensor, Tensor]]], scale: float,
+                     softcap: float | None) -> list[tuple[Tensor, Tensor]]:
+    """One kernel call over every exact, Recent and coded Mid segment of the batch. Mid results
+    go to ``parts[b]``; exact and Recent results come back as batch-wide partials (out [B, Hq,
+    dv], lse [B, Hq]; -inf where a sequence has none), written by the kernel straight into
+    their rows. The scaled query and its zero mean term are made once for the batch: exact,
+    Recent and an unprojected Mid read them as they are (an identity basis)."""
+    batch, hq, d = q.shape
+    heads = segs[0].kv_heads
+    qs = (scale * q.float()).reshape(batch, heads, hq // heads, d).contiguous()
+    zero = qs.new_zeros(qs.shape[:3])
+    tensors: list[Tensor] = []
+    ints: list[int] = []
+
+    def add(seg_tensors: list[Tensor], seg_ints: list[int]) -> None:
+        tensors.extend(seg_tensors)
+        ints.extend(seg_ints)
+        ints.append(max(1, -(-seg_ints[0] // ROWS_PER_SPLIT)))
+
+    whole = []
+    for kind, present, args in (
+            ("exact", lambda s: s.exact is not None and s.exact[0].shape[1], _exact_args),
+            ("recent", lambda s: s.recent is not None and s.recent.tokens, _recent_args)):
+        rows = [b for b, s in enumerate(segs) if present(s)]
+        if not rows:
+            continue
+        dv = segs[rows[0]].exact[1].shape[-1] if kind == "exact" else segs[rows[0]].recent.dv
+        full = len(rows) == batch  # else the rows without this kind must read as empty
+        out = qs.new_empty(batch, heads, hq // heads, dv) if full else qs.new_zeros(batch, heads, hq // heads, dv)
+        lse = qs.new_full(qs.shape[:3], -float("inf"))
+        for b in rows:
+            add(*args(qs[b], zero[b], getattr(segs[b], kind), out[b], lse[b]))
+        whole.append((out.view(batch, hq, dv), lse.view(batch, hq)))
+    mids = []
+    for b, mid in coded:
+        qp, qb = mid.query_terms(q[b], scale) if mid.projected else (qs[b], zero[b])
+        out, lse = qp.new_empty(*qp.shape[:2], mid.value_width), qp.new_empty(qp.shape[:2])
+        add(*_mid_args(qp, qb, mid, out, lse))
+        mids.append((b, mid, out, lse))
+    if tensors:
+        kernel.decode_segments(tensors, ints, torch.get_num_threads(), 0.0 if softcap is None else float(softcap))
+    for b, mid, out, lse in mids:
+        parts[b].append((mid.values_out(out).reshape(hq, -1), lse.reshape(-1)))
+    return whole
 
 
 def _single(part: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
@@ -196,43 +240,10 @@ def _dense_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
     return out, lse.reshape(hkv, batch, hq // hkv).transpose(0, 1).reshape(batch, hq)
 
 
-def coded_partials_cpu(q: Tensor, coded: Sequence[tuple[int, Segment]], scale: float,
-                       softcap: float | None = None) -> list[tuple[Tensor, Tensor]]:
-    """[(out [Hq, dv], lse [Hq])] of each (sequence b, segment) of a batch, q [B, Hq, d]: one
-    kernel call over all of them (``softcap``: capped logits; passed to the kernel as a float, 0
-    meaning none). Without the kernel only Mid segments come here, dequantized and attended by
-    torch (exact and Recent tokens then go to ``_dense_batch``)."""
-    if not coded:
-        return []
-    kernel = mid_kernel()
-    if kernel is None:
-        return [_single(partial_lowrank(q[b, :, None], *mid.decode(), scale, softcap=softcap)) for b, mid in coded]
-    tensors, ints, outs = [], [], []
-    for b, codes in coded:
-        args = _mid_args if isinstance(codes, MidCodes) else _recent_args if isinstance(codes, RecentCodes) else _exact_args
-        seg_tensors, seg_ints = args(q[b], codes, scale)
-        tensors += seg_tensors
-        ints += seg_ints + [max(1, -(-seg_ints[0] // ROWS_PER_SPLIT))]
-        outs.append((seg_tensors[-2], seg_tensors[-1]))
-    kernel.decode_segments(tensors, ints, torch.get_num_threads(), 0.0 if softcap is None else float(softcap))
-    results = []
-    for (_, codes), (out, lse) in zip(coded, outs):
-        if isinstance(codes, MidCodes):
-            out = codes.values_out(out)
-        results.append((out.reshape(lse.numel(), -1), lse.reshape(-1)))
-    return results
-
-
-def _outputs(qp: Tensor, width: int) -> list[Tensor]:
-    """The kernel's outputs for one segment: out [Hkv, G, width] and lse [Hkv, G]."""
-    return [qp.new_empty(*qp.shape[:2], width), qp.new_empty(qp.shape[:2])]
-
-
-def _mid_args(q: Tensor, mid: MidCodes, scale: float) -> tuple[list[Tensor], list[int]]:
+def _mid_args(qp: Tensor, qb: Tensor, mid: MidCodes, out: Tensor, lse: Tensor) -> tuple[list[Tensor], list[int]]:
     """A Mid segment as the kernel reads it (see ``decode_segments`` in csrc/mid_decode.cpp):
     each code row one run of every head's codes side by side, statistics per page, values'
-    per row and head when quantized per token."""
-    qp, qb = mid.query_terms(q, scale)  # [Hkv, G, Rk], [Hkv, G]
+    per row and head when quantized per token. qp [Hkv, G, Rk], qb [Hkv, G]: its query terms."""
     n, heads = mid.tokens, mid.kv_heads
     sides, ints = [], [n]
     for rows, stat_scale, offset, starts, ranks, bits, per_row in (
@@ -241,51 +252,60 @@ def _mid_args(q: Tensor, mid: MidCodes, scale: float) -> tuple[list[Tensor], lis
         width = rows.shape[1] * 8 // bits if per_row else stat_scale.shape[1]  # codes per row
         sides += [rows, stat_scale, offset, starts, ranks]
         ints += [bits, 1, width, rows.shape[1], 0, *((heads, 1) if per_row else (width, 0)), int(per_row)]
-    tensors = [qp, qb, *(x.contiguous() for x in sides), mid.row_stat.contiguous(), *_outputs(qp, mid.value_width)]
-    return tensors, ints
+    return [qp, qb, *(x.contiguous() for x in sides), mid.row_stat.contiguous(), out, lse], ints
 
 
-def _recent_args(q: Tensor, recent: RecentCodes, scale: float) -> tuple[list[Tensor], list[int]]:
-    """Recent pages as the kernel reads them: an identity basis (the scaled query, no mean),
-    each kv-head's codes a run of its own [Nr, bytes] block, key statistics per page and
-    channel, value statistics per token."""
+def _recent_args(qp: Tensor, qb: Tensor, recent: RecentCodes, out: Tensor,
+                 lse: Tensor) -> tuple[list[Tensor], list[int]]:
+    """Recent pages as the kernel reads them: an identity basis (qp the scaled query [Hkv, G,
+    dk], qb zeros), each kv-head's codes a run of its own [Nr, bytes] block, key statistics
+    per page and channel, value statistics per token."""
     heads, n = recent.k_codes.shape[:2]
-    qp = (scale * q.float()).reshape(heads, -1, recent.dk).contiguous()
     k_starts, k_ranks, v_starts, v_ranks, row_stat = _recent_layout(heads, recent.dk, recent.dv, n, recent.page_size)
     pages = recent.k_scale.shape[1]
-    tensors = [qp, qp.new_zeros(qp.shape[:2]),
-               recent.k_codes, recent.k_scale, recent.k_offset, k_starts, k_ranks,
-               recent.v_codes, recent.v_scale, recent.v_offset, v_starts, v_ranks,
-               row_stat, *_outputs(qp, recent.dv)]
+    tensors = [qp, qb,
+               recent.k_codes.contiguous(), recent.k_scale.contiguous(), recent.k_offset.contiguous(), k_starts, k_ranks,
+               recent.v_codes.contiguous(), recent.v_scale.contiguous(), recent.v_offset.contiguous(), v_starts, v_ranks,
+               row_stat, out, lse]
     k_bytes, v_bytes = recent.k_codes.shape[2], recent.v_codes.shape[2]
     ints = [n,
             recent.bits, heads, recent.dk, k_bytes, n * k_bytes, recent.dk, pages * recent.dk, 0,
             recent.bits, heads, recent.dv, v_bytes, n * v_bytes, 1, n, 1]
-    return [t.contiguous() for t in tensors], ints
+    return tensors, ints
 
 
-def _exact_args(q: Tensor, exact: tuple[Tensor, Tensor], scale: float) -> tuple[list[Tensor], list[int]]:
+def _exact_args(qp: Tensor, qb: Tensor, exact: tuple[Tensor, Tensor], out: Tensor,
+                lse: Tensor) -> tuple[list[Tensor], list[int]]:
     """Exact tokens (keys [Hkv, N, dk], values [Hkv, N, dv]) as the kernel reads them: float32
-    "codes" 32 bits wide, each kv-head a run of its own, on an identity basis with statistics
-    scale 1, offset 0 (one row, read for every page)."""
+    "codes" 32 bits wide, each kv-head a run of its own, on an identity basis (qp the scaled
+    query, qb zeros) with statistics scale 1, offset 0 (one row, read for every page)."""
     keys, values = (x.float().contiguous() for x in exact)
     heads, n, dk = keys.shape
     dv = values.shape[2]
-    qp = (scale * q.float()).reshape(heads, -1, dk).contiguous()
-    k_starts, k_ranks, v_starts, v_ranks, ones, zeros = _exact_layout(heads, dk, dv)
-    tensors = [qp, qp.new_zeros(qp.shape[:2]),
-               keys.view(torch.uint8), ones[:dk], zeros[:dk], k_starts, k_ranks,
-               values.view(torch.uint8), ones[:dv], zeros[:dv], v_starts, v_ranks,
-               zeros.new_zeros(n, dtype=torch.int32), *_outputs(qp, dv)]
+    k_starts, k_ranks, v_starts, v_ranks, k_ones, k_zeros, v_ones, v_zeros = _exact_layout(heads, dk, dv)
+    tensors = [qp, qb, keys.view(torch.uint8), k_ones, k_zeros, k_starts, k_ranks,
+               values.view(torch.uint8), v_ones, v_zeros, v_starts, v_ranks, _zero_rows(n), out, lse]
     ints = [n, 32, heads, dk, 4 * dk, 4 * n * dk, 0, 0, 0, 32, heads, dv, 4 * dv, 4 * n * dv, 0, 0, 0]
     return tensors, ints
 
 
 @functools.lru_cache(maxsize=64)
 def _exact_layout(heads: int, dk: int, dv: int) -> tuple[Tensor, ...]:
-    """Head columns of exact tokens and their unit statistics (ones, zeros of max(dk, dv))."""
-    width = max(dk, dv)
-    return (*rank_columns((dk,) * heads), *rank_columns((dv,) * heads), torch.ones(width), torch.zeros(width))
+    """Head columns of exact tokens and their unit statistics (ones and zeros of dk, then of dv)."""
+    return (*rank_columns((dk,) * heads), *rank_columns((dv,) * heads),
+            torch.ones(dk), torch.zeros(dk), torch.ones(dv), torch.zeros(dv))
+
+
+_ZERO_ROWS = torch.zeros(0, dtype=torch.int32)
+
+
+def _zero_rows(n: int) -> Tensor:
+    """row_stat of n exact tokens (all read statistics row 0): a slice of one shared buffer that
+    only grows (the kernel never writes it)."""
+    global _ZERO_ROWS
+    if _ZERO_ROWS.numel() < n:
+        _ZERO_ROWS = torch.zeros(max(n, 2 * _ZERO_ROWS.numel()), dtype=torch.int32)
+    return _ZERO_ROWS[:n]
 
 
 @functools.lru_cache(maxsize=64)
