@@ -24,6 +24,7 @@ version). Needs the packages transformers' server needs: fastapi, uvicorn, pydan
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -79,9 +80,12 @@ def _server_loads_models_with(session: Session):
 
 @dataclass
 class KvtopoServer:
-    """A running server: its URL, the kvtopo session holding every request's history, and `stop`."""
+    """A running server: its URL, the model id requests name (what transformers' server loaded:
+    for `smollm2`, the cached GGUF file), the kvtopo session holding every request's history,
+    and `stop`."""
 
     url: str
+    model: str
     session: Session
     _serve: object
 
@@ -122,16 +126,19 @@ def start_server(model: str, config: Config | None = None, *, host: str = "127.0
     if not is_serve_available():
         raise ImportError("kvtopo serve runs transformers' server, which needs fastapi, uvicorn, pydantic and openai: "
                           "pip install -e '.[serve]'")
+    spec, url = _model_spec(model), f"http://{host}:{port}"
+    if block:
+        print(f"kvtopo serve: {url}/v1/chat/completions; requests name the model {spec!r}", file=sys.stderr)
     session = Session(config)
     session.__enter__()
     try:
         with _server_loads_models_with(session):
-            serve = Serve(force_model=_model_spec(model), continuous_batching=True, device="cpu", host=host,
+            serve = Serve(force_model=spec, continuous_batching=True, device="cpu", host=host,
                           port=port, non_blocking=not block, **serve_options)
     except BaseException:
         session.__exit__(None, None, None)
         raise
-    server = KvtopoServer(f"http://{host}:{port}", session, serve)
+    server = KvtopoServer(url, spec, session, serve)
     if not block:
         _wait_until_up(server, timeout)
     return server

@@ -46,9 +46,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _chat(server, model_id: str, text: str) -> str:
+def _chat(server, model_id: str, text: str, max_tokens: int = NEW_TOKENS) -> str:
     body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": text}],
-                       "max_tokens": NEW_TOKENS, "temperature": 0}).encode()
+                       "max_tokens": max_tokens, "temperature": 0}).encode()
     request = urllib.request.Request(server.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())["choices"][0]["message"]["content"]
@@ -97,3 +97,22 @@ def test_the_compressed_default_serves_in_fewer_bytes(checkpoint):
     assert all(len(a.split()) > 0 for a in answers + lossless_answers)
     assert compressed.ratio_vs_fp16 > 1.0
     assert compressed.total_bytes < lossless.total_bytes / 2, (compressed.total_bytes, lossless.total_bytes)
+
+
+def test_the_real_model_answers_concurrent_chats_through_kvtopo():
+    """`kvtopo serve smollm2` with the default compression: two chat requests at once get the
+    real model's answer, both were held in kvtopo's store together, and their pages came back."""
+    server = start_server("smollm2", Config(), port=_free_port(), dtype="float32", cb_max_batch_tokens=256)
+    try:
+        questions = ["What is the capital of France?", "Which city is the capital of France?"]
+        with ThreadPoolExecutor(len(questions)) as pool:
+            answers = list(pool.map(lambda text: _chat(server, server.model, text, max_tokens=16), questions))
+        manager = next(m.model._cached_continuous_batching_manager
+                       for m in server._serve._model_manager.loaded_models.values())
+        peak = manager.kv_cache.peak
+    finally:
+        server.stop()
+    assert all("Paris" in answer for answer in answers), answers
+    assert peak is not None and len(peak.tokens) == 2 and len(peak.per_layer) == 30
+    assert not page_ownership_errors(server.session)
+    assert all(cache.pool.live_pages == 0 for cache in server.session.layers.values())
