@@ -5,7 +5,8 @@ Every segment of every sequence — exact tokens, Recent pages, the Mid segment 
 epochs — runs in one call of a small C++ kernel (kernels/csrc/mid_decode.cpp) built once per
 source, compiler flags and CPU by ``torch.utils.cpp_extension`` and cached by it. Each is read
 as stored: Mid as packed code rows (all kv-heads side by side) with per-page statistics, Recent
-as each kv-head's code block, exact tokens as float32 "codes" with unit statistics. The kernel
+as each kv-head's code block, exact tokens as float32 "codes" with unit statistics (read in place
+from the layer's page pool through the pages' slots when the pool is float32: ``PagedExact``). The kernel
 releases the GIL and runs its work items, (segment, split of 1024 rows), on torch's thread
 count of its own threads, each thread a run of items holding about the same number of rows.
 For each split and every kv-head at once it unpacks each row's codes, folds the page's key
@@ -39,7 +40,7 @@ import torch
 from torch import Tensor
 
 from .compressed_attention import merge_partials, partial_dense, partial_lowrank
-from .decode_inputs import DecodeSegments, MidCodes, RecentCodes, check_softcap, rank_columns
+from .decode_inputs import DecodeSegments, MidCodes, PagedExact, RecentCodes, check_softcap, rank_columns
 
 
 SOURCE = Path(__file__).with_name("csrc") / "mid_decode.cpp"
@@ -151,8 +152,8 @@ def cpu_decode_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
 def _kernel_partials(kernel, q: Tensor, segs: Sequence[DecodeSegments], coded: Sequence[tuple[int, MidCodes]],
                      parts: list[list[tuple[Tensor, Tensor]]], scale: float,
                      softcap: float | None) -> list[tuple[Tensor, Tensor]]:
-    """One kernel call over every exact, Recent and coded Mid segment of the batch. Mid results
-    go to ``parts[b]``; exact and Recent results come back as batch-wide partials (out [B, Hq,
+    """One kernel call over every exact (paged and explicit), Recent and coded Mid segment of the
+    batch. Mid results go to ``parts[b]``; exact and Recent results come back as batch-wide partials (out [B, Hq,
     dv], lse [B, Hq]; -inf where a sequence has none), written by the kernel straight into
     their rows. The scaled query and its zero mean term are made once for the batch: exact,
     Recent and an unprojected Mid read them as they are (an identity basis)."""
@@ -169,13 +170,14 @@ def _kernel_partials(kernel, q: Tensor, segs: Sequence[DecodeSegments], coded: S
         ints.append(max(1, -(-seg_ints[0] // ROWS_PER_SPLIT)))
 
     whole = []
-    for kind, present, args in (
-            ("exact", lambda s: s.exact is not None and s.exact[0].shape[1], _exact_args),
-            ("recent", lambda s: s.recent is not None and s.recent.tokens, _recent_args)):
-        rows = [b for b, s in enumerate(segs) if present(s)]
+    for kind, width, args in (  # kind: the DecodeSegments field; width: its value width, if present
+            ("exact_pages", lambda x: x.tokens and x.values.shape[-1], _paged_exact_args),
+            ("exact", lambda x: x[0].shape[1] and x[1].shape[-1], _exact_args),
+            ("recent", lambda x: x.tokens and x.dv, _recent_args)):
+        rows = [b for b, s in enumerate(segs) if getattr(s, kind) is not None and width(getattr(s, kind))]
         if not rows:
             continue
-        dv = segs[rows[0]].exact[1].shape[-1] if kind == "exact" else segs[rows[0]].recent.dv
+        dv = width(getattr(segs[rows[0]], kind))
         full = len(rows) == batch  # else the rows without this kind must read as empty
         out = qs.new_empty(batch, heads, hq // heads, dv) if full else qs.new_zeros(batch, heads, hq // heads, dv)
         lse = qs.new_full(qs.shape[:3], -float("inf"))
@@ -210,7 +212,8 @@ def _dense_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
     decoded = RecentCodes.concat(recents).decode() if recents else None
     pieces, lengths, at = [], [], 0  # per sequence: its (keys, values) pieces
     for s in segs:
-        own = [s.exact] if s.exact is not None and s.exact[0].shape[1] else []
+        exact = s.exact_kv()
+        own = [exact] if exact is not None and exact[0].shape[1] else []
         if s.recent is not None and s.recent.tokens:
             own.append((decoded[0][:, at: at + s.recent.tokens], decoded[1][:, at: at + s.recent.tokens]))
             at += s.recent.tokens
@@ -250,8 +253,8 @@ def _mid_args(qp: Tensor, qb: Tensor, mid: MidCodes, out: Tensor, lse: Tensor) -
             (mid.k_rows, mid.k_scale, mid.k_offset, mid.k_starts, mid.k_ranks, mid.k_bits, False),
             (mid.v_rows, mid.v_scale, mid.v_offset, mid.v_starts, mid.v_ranks, mid.v_bits, mid.value_stats_per_row)):
         width = rows.shape[1] * 8 // bits if per_row else stat_scale.shape[1]  # codes per row
-        sides += [rows, stat_scale, offset, starts, ranks]
-        ints += [bits, 1, width, rows.shape[1], 0, *((heads, 1) if per_row else (width, 0)), int(per_row)]
+        sides += [rows, stat_scale, offset, starts, ranks, _NOT_PAGED]
+        ints += [bits, 1, width, rows.shape[1], 0, *((heads, 1) if per_row else (width, 0)), int(per_row), 0, 0]
     return [qp, qb, *(x.contiguous() for x in sides), mid.row_stat.contiguous(), out, lse], ints
 
 
@@ -265,12 +268,13 @@ def _recent_args(qp: Tensor, qb: Tensor, recent: RecentCodes, out: Tensor,
     pages = recent.k_scale.shape[1]
     tensors = [qp, qb,
                recent.k_codes.contiguous(), recent.k_scale.contiguous(), recent.k_offset.contiguous(), k_starts, k_ranks,
+               _NOT_PAGED,
                recent.v_codes.contiguous(), recent.v_scale.contiguous(), recent.v_offset.contiguous(), v_starts, v_ranks,
-               row_stat, out, lse]
+               _NOT_PAGED, row_stat, out, lse]
     k_bytes, v_bytes = recent.k_codes.shape[2], recent.v_codes.shape[2]
     ints = [n,
-            recent.bits, heads, recent.dk, k_bytes, n * k_bytes, recent.dk, pages * recent.dk, 0,
-            recent.bits, heads, recent.dv, v_bytes, n * v_bytes, 1, n, 1]
+            recent.bits, heads, recent.dk, k_bytes, n * k_bytes, recent.dk, pages * recent.dk, 0, 0, 0,
+            recent.bits, heads, recent.dv, v_bytes, n * v_bytes, 1, n, 1, 0, 0]
     return tensors, ints
 
 
@@ -283,9 +287,25 @@ def _exact_args(qp: Tensor, qb: Tensor, exact: tuple[Tensor, Tensor], out: Tenso
     heads, n, dk = keys.shape
     dv = values.shape[2]
     k_starts, k_ranks, v_starts, v_ranks, k_ones, k_zeros, v_ones, v_zeros = _exact_layout(heads, dk, dv)
-    tensors = [qp, qb, keys.view(torch.uint8), k_ones, k_zeros, k_starts, k_ranks,
-               values.view(torch.uint8), v_ones, v_zeros, v_starts, v_ranks, _zero_rows(n), out, lse]
-    ints = [n, 32, heads, dk, 4 * dk, 4 * n * dk, 0, 0, 0, 32, heads, dv, 4 * dv, 4 * n * dv, 0, 0, 0]
+    tensors = [qp, qb, keys.view(torch.uint8), k_ones, k_zeros, k_starts, k_ranks, _NOT_PAGED,
+               values.view(torch.uint8), v_ones, v_zeros, v_starts, v_ranks, _NOT_PAGED, _zero_rows(n), out, lse]
+    ints = [n, 32, heads, dk, 4 * dk, 4 * n * dk, 0, 0, 0, 0, 0, 32, heads, dv, 4 * dv, 4 * n * dv, 0, 0, 0, 0, 0]
+    return tensors, ints
+
+
+def _paged_exact_args(qp: Tensor, qb: Tensor, pages: PagedExact, out: Tensor,
+                      lse: Tensor) -> tuple[list[Tensor], list[int]]:
+    """Exact tokens read in place from the layer's page pool (keys [S, Hkv, P, dk] float32):
+    as ``_exact_args``, each row one run per kv-head (a head's P rows of a slot are P * dk
+    floats apart), rows found through the pages' slots."""
+    slots, (_, heads, page, dk), dv = pages.slots, pages.keys.shape, pages.values.shape[-1]
+    k_starts, k_ranks, v_starts, v_ranks, k_ones, k_zeros, v_ones, v_zeros = _exact_layout(heads, dk, dv)
+    tensors = [qp, qb, pages.keys.view(torch.uint8), k_ones, k_zeros, k_starts, k_ranks, slots,
+               pages.values.view(torch.uint8), v_ones, v_zeros, v_starts, v_ranks, slots, _zero_rows(pages.tokens),
+               out, lse]
+    ints = [pages.tokens,
+            32, heads, dk, 4 * dk, 4 * page * dk, 0, 0, 0, page, 4 * heads * page * dk,
+            32, heads, dv, 4 * dv, 4 * page * dv, 0, 0, 0, page, 4 * heads * page * dv]
     return tensors, ints
 
 
@@ -297,6 +317,7 @@ def _exact_layout(heads: int, dk: int, dv: int) -> tuple[Tensor, ...]:
 
 
 _ZERO_ROWS = torch.zeros(0, dtype=torch.int32)
+_NOT_PAGED = torch.zeros(0, dtype=torch.int32)  # a side's slots when its rows are consecutive
 
 
 def _zero_rows(n: int) -> Tensor:

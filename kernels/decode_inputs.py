@@ -176,11 +176,31 @@ class MidCodes:
 
 
 @dataclass(frozen=True, eq=False)
+class PagedExact:
+    """Exact tokens read where they are: a layer's page pool (keys [S, Hkv, P, dk], values
+    [S, Hkv, P, dv], float32) and the pool slots of the sequence's exact pages, in order (int32
+    [pages], every page full but the last), `tokens` tokens in all. The CPU kernel reads them in
+    place, so a decode step does not copy a sequence's exact history (all of it, lossless)."""
+
+    keys: Tensor
+    values: Tensor
+    slots: Tensor
+    tokens: int
+
+    def gather(self) -> tuple[Tensor, Tensor]:
+        """The tokens as explicit keys [Hkv, N, dk] and values [Hkv, N, dv] (a copy)."""
+        index = self.slots.long()
+        return tuple(pool[index].transpose(0, 1).flatten(1, 2)[:, : self.tokens] for pool in (self.keys, self.values))
+
+
+@dataclass(frozen=True, eq=False)
 class DecodeSegments:
     """Everything one decode step of one sequence-layer attends to.
 
     exact: (keys [Hkv, N0, dk], values [Hkv, N0, dv]) — Initial/Terminal pages plus the step's
-    new token (any float dtype); recent: RecentCodes; mid: MidCodes (quantized);
+    new token (any float dtype), or only the new token when the pages are `exact_pages`
+    (PagedExact, before `exact` in token order); use `exact_kv()` for all exact tokens as
+    tensors. recent: RecentCodes; mid: MidCodes (quantized);
     mid_other: Mid stored another way (baseline policies: dense (keys, values) or float
     coefficients as (LowRankHeads, LowRankHeads)) attended by the torch reference;
     retired: earlier Mid epochs (topo refits its bases as the sequence grows), each MidCodes or,
@@ -193,12 +213,27 @@ class DecodeSegments:
     mid_other: tuple | None = None
     mid_other_projected: bool = False
     retired: tuple = ()
+    exact_pages: PagedExact | None = None
+
+    def exact_kv(self) -> tuple[Tensor, Tensor] | None:
+        """Every exact token, paged and explicit, as keys [Hkv, N, dk] and values [Hkv, N, dv]."""
+        if self.exact_pages is None:
+            return self.exact
+        pages = self.exact_pages.gather()
+        if self.exact is None:
+            return pages
+        return tuple(torch.cat([a, b.to(a.dtype)], 1) for a, b in zip(pages, self.exact))
 
     @property
     def nbytes(self) -> int:
         """Bytes a decode step reads: exact K/V, Recent codes + statistics, Mid codes +
         statistics + row index + bases (the torch-reference fallback segment counted as held)."""
         tensors = list(self.exact or ())
+        paged = 0
+        if self.exact_pages is not None:  # the tokens' rows of the pool, and the slots
+            pages = self.exact_pages
+            tensors.append(pages.slots)
+            paged = pages.tokens * (pages.keys[0, :, 0].nbytes + pages.values[0, :, 0].nbytes)
         coded = [self.recent, self.mid] + [e for e in self.retired if isinstance(e, MidCodes)]
         for part in coded:
             if part is not None:
@@ -206,12 +241,14 @@ class DecodeSegments:
         uncoded = list(self.mid_other or ()) + [s for e in self.retired if not isinstance(e, MidCodes) for s in e]
         for side in uncoded:
             tensors += [side.coefficients, side.vectors, side.mean] if isinstance(side, LowRankHeads) else [side]
-        return sum(t.nbytes for t in tensors)
+        return sum(t.nbytes for t in tensors) + paged
 
     @property
     def kv_heads(self) -> int:
         if self.mid is not None:
             return self.mid.kv_heads
+        if self.exact_pages is not None:
+            return self.exact_pages.keys.shape[1]
         for t in (self.exact and self.exact[0], self.recent and self.recent.k_codes):
             if t is not None:
                 return t.shape[0]

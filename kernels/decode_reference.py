@@ -12,9 +12,10 @@ from .decode_inputs import DecodeSegments, MidCodes
 def explicit_kv(segs: DecodeSegments, dtype=torch.float64) -> tuple[Tensor, Tensor]:
     """Every segment decoded to explicit K and V [Hkv, N, d] in ``dtype`` (same stored codes)."""
     ks, vs = [], []
-    if segs.exact is not None:
-        ks.append(segs.exact[0].to(dtype))
-        vs.append(segs.exact[1].to(dtype))
+    exact = segs.exact_kv()
+    if exact is not None:
+        ks.append(exact[0].to(dtype))
+        vs.append(exact[1].to(dtype))
     if segs.recent is not None:
         k, v = segs.recent.decode()
         ks.append(k.to(dtype))

@@ -325,8 +325,9 @@ def triton_decode_attention(q: Tensor, segs: DecodeSegments, scale: float, out: 
     """Decode attention of q [Hq, d] over every segment with the Triton kernels -> [Hq, dv] float32.
     ``softcap``: logits are ``softcap * tanh(logits / softcap)`` (None: uncapped)."""
     parts = []
-    if segs.exact is not None and segs.exact[0].shape[1]:
-        parts.append(dense_partial(q, *segs.exact, scale, softcap=softcap))
+    exact = segs.exact_kv()
+    if exact is not None and exact[0].shape[1]:
+        parts.append(dense_partial(q, *exact, scale, softcap=softcap))
     if segs.recent is not None and segs.recent.tokens:
         parts.append(dense_partial(q, None, None, scale, recent=segs.recent, softcap=softcap))
     if segs.mid is not None and segs.mid.tokens:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from kvtopo.kernels.decode_inputs import DecodeSegments, MidCodes, RecentCodes, rank_columns
+from kvtopo.kernels.decode_inputs import DecodeSegments, MidCodes, PagedExact, RecentCodes, rank_columns
 from kvtopo.kernels.fast_decode import decode_attention_batch
 
 from .codecs import CodedRows, MidSegment
@@ -94,6 +94,12 @@ class _PagesView:
         self.exact = [i for i in candidates if pages[i].slot is not None]
         self.recent = [i for i in candidates if pages[i].recent is not None]
         self.state = self._state()
+        # The exact pages as the kernel reads them in place: their pool slots, when every one but
+        # the newest (the Terminal page, still filling) is full, so token n is row n % P of page n // P.
+        full = all(pages[i].tokens == cache.config.page_size for i in self.exact[:-1])
+        paged = full and bool(self.exact) and self.exact[-1] == len(pages) - 1 and cache.pool.keys.dtype == torch.float32 \
+            and cache.pool.keys.device.type == "cpu"
+        self.exact_slots = torch.tensor([pages[i].slot for i in self.exact], dtype=torch.int32) if paged else None
         reused = previous is not None and previous.pages is pages and previous.recent == self.recent and all(
             pages[i].recent is r for i, r in zip(self.recent, previous.state[1]))
         if reused:
@@ -127,18 +133,23 @@ def _pages_view(cache: LayerCache, entry) -> _PagesView:
 
 def decode_segments(cache: LayerCache, seq: int, k_new: Tensor | None = None, v_new: Tensor | None = None) -> DecodeSegments:
     """DecodeSegments of sequence ``seq`` in a ``LayerCache``, plus the step's new
-    k/v [Hkv, 1, d] appended to the exact segment (the new token sees itself)."""
+    k/v [Hkv, 1, d] appended to the exact segment (the new token sees itself). A float32 CPU
+    pool's exact pages are handed over in place (``exact_pages``; ``exact`` is then the new
+    token alone); other pools' are copied into ``exact``."""
     entry = cache.sequences.get(seq)
-    ks, vs = [], []
+    ks, vs, paged = [], [], None
     view = _pages_view(cache, entry) if entry is not None and entry.pages else None
-    if view is not None and entry.length:
+    if view is not None and entry.length and view.exact_slots is not None:  # read in place
+        tokens = (len(view.exact) - 1) * cache.config.page_size + entry.pages[view.exact[-1]].tokens
+        paged = PagedExact(cache.pool.keys, cache.pool.values, view.exact_slots, tokens)
+    elif view is not None and entry.length:
         pool = cache.pool
         exact_pages = [entry.pages[i] for i in view.exact]
         ks = [pool.keys[p.slot, :, : p.tokens] for p in exact_pages]
         vs = [pool.values[p.slot, :, : p.tokens] for p in exact_pages]
     if k_new is not None:
         ks, vs = ks + [k_new], vs + [v_new]
-    exact = (torch.cat(ks, 1), torch.cat(vs, 1)) if ks else None  # one copy of the exact pages
+    exact = (torch.cat(ks, 1), torch.cat(vs, 1)) if ks else None  # one copy of what is not paged
     if entry is None:
         return DecodeSegments(exact=exact)
     recent = view.recent_codes if view is not None else None
@@ -148,7 +159,7 @@ def decode_segments(cache: LayerCache, seq: int, k_new: Tensor | None = None, v_
         if mid is None:
             other = entry.mid.attention_inputs()
     retired = tuple(mid_codes(m) or m.attention_inputs() for m in entry.retired if m.tokens)
-    return DecodeSegments(exact, recent, mid, other, cache.mid_encoding.project, retired)
+    return DecodeSegments(exact, recent, mid, other, cache.mid_encoding.project, retired, exact_pages=paged)
 
 
 def attend_cache_batch(cache: LayerCache, seqs: Sequence[int], q: Tensor, k_new: Tensor, v_new: Tensor,

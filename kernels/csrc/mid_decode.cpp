@@ -1,7 +1,7 @@
 // Fused decode attention over the stored segments of a decode batch (kernels/cpu_decode.py): Mid
 // segments (projected coefficients, or unprojected keys/values: an identity basis, the caller
 // skips the projections), Recent pages (codes, head-major) and exact tokens (float32, head-major,
-// read as 32-bit "codes" with unit statistics). Built at first use by torch.utils.cpp_extension.
+// read as 32-bit "codes" with unit statistics, consecutive or in place in a page pool). Built at first use by torch.utils.cpp_extension.
 // One call takes every segment of a decode batch and runs their splits of rows on its own
 // threads, with the GIL released.
 //
@@ -134,11 +134,19 @@ struct Side {
     int64_t stat_a, stat_b;
     bool per_row;
     const int *starts, *ranks;
+    // Paged (exact tokens read in place from a layer's page pool): row n is row n % page_rows of
+    // pool slot slots[n / page_rows], slots slot_stride bytes apart. nullptr: rows are consecutive.
+    const int *slots;
+    int page_rows;
+    int64_t slot_stride;
 
     int width() const { return parts * part_codes; }
+    const uint8_t *row(int64_t n) const {
+        return slots ? rows + slots[n / page_rows] * slot_stride + (n % page_rows) * row_stride : rows + n * row_stride;
+    }
     void unpack_row(int64_t n, float *u) const {
-        for (int p = 0; p < parts; ++p)
-            unpack(rows + n * row_stride + p * part_stride, part_codes, bits, u + (size_t)p * part_codes);
+        const uint8_t *r = row(n);
+        for (int p = 0; p < parts; ++p) unpack(r + p * part_stride, part_codes, bits, u + (size_t)p * part_codes);
     }
     int64_t page_stat(int64_t page, int h) const {  // offset of head h's first statistic in a page
         int p = part_codes ? starts[h] / part_codes : 0;
@@ -315,20 +323,30 @@ static const T *input(const at::Tensor &t, const char *name) {
 }
 
 static Side side(const at::Tensor *t, const int64_t *f, int H, int N, const char *name) {
-    // t: rows, scale, offset, starts, ranks; f: bits, parts, part_codes, row_stride, part_stride,
-    // stat_a, stat_b, per_row
+    // t: rows, scale, offset, starts, ranks, slots (empty: not paged); f: bits, parts, part_codes,
+    // row_stride, part_stride, stat_a, stat_b, per_row, page_rows, slot_stride
     Side s;
     s.rows = input<uint8_t>(t[0], name);
     s.scale = input<float>(t[1], name); s.offset = input<float>(t[2], name);
     s.starts = input<int>(t[3], name); s.ranks = input<int>(t[4], name);
     s.bits = f[0]; s.parts = f[1]; s.part_codes = f[2]; s.row_stride = f[3]; s.part_stride = f[4];
     s.stat_a = f[5]; s.stat_b = f[6]; s.per_row = f[7];
+    s.slots = t[5].numel() ? input<int>(t[5], name) : nullptr;
+    s.page_rows = f[8]; s.slot_stride = f[9];
     TORCH_CHECK(s.bits == 2 || s.bits == 4 || s.bits == 8 || s.bits == 32, name, ": bits must be 2, 4, 8 or 32");
     TORCH_CHECK(t[3].numel() == H && t[4].numel() == H, name, ": one start and rank per kv-head");
-    TORCH_CHECK((int64_t)s.part_codes * s.bits <= s.row_stride * 8 && s.parts >= 1 &&
-                (N == 0 || t[0].numel() >= (N - 1) * s.row_stride + (s.parts - 1) * s.part_stride +
-                                               ((int64_t)s.part_codes * s.bits + 7) / 8),
-                name, ": codes do not fit their rows");
+    const int64_t row_bytes = (s.parts - 1) * s.part_stride + ((int64_t)s.part_codes * s.bits + 7) / 8;
+    TORCH_CHECK((int64_t)s.part_codes * s.bits <= s.row_stride * 8 && s.parts >= 1, name, ": codes do not fit their rows");
+    if (s.slots) {
+        TORCH_CHECK(s.page_rows >= 1 && (int64_t)N <= t[5].numel() * s.page_rows &&
+                        (s.page_rows - 1) * s.row_stride + row_bytes <= s.slot_stride,
+                    name, ": paged rows do not fit their pages");
+        for (int64_t i = 0; i < t[5].numel(); ++i)
+            TORCH_CHECK(s.slots[i] >= 0 && (s.slots[i] + 1) * s.slot_stride <= t[0].numel(), name,
+                        ": a page slot lies outside the pool");
+    } else {
+        TORCH_CHECK(N == 0 || t[0].numel() >= (N - 1) * s.row_stride + row_bytes, name, ": codes do not fit their rows");
+    }
     for (int h = 0; h < H; ++h) {
         int p = s.part_codes ? s.starts[h] / s.part_codes : 0;
         TORCH_CHECK(s.ranks[h] == 0 || (s.starts[h] >= 0 && p < s.parts && s.starts[h] + s.ranks[h] <= (p + 1) * s.part_codes),
@@ -337,22 +355,22 @@ static Side side(const at::Tensor *t, const int64_t *f, int H, int N, const char
     return s;
 }
 
-static const int SEGMENT_TENSORS = 15, SEGMENT_INTS = 18;
+static const int SEGMENT_TENSORS = 17, SEGMENT_INTS = 22;
 
-// Per segment, 15 tensors: qp [H, G, RK], qb [H, G], then for keys and for values: rows (uint8),
-// scale, offset (float32), starts, ranks (int32 [H]); row_stat [N] int32, out [H, G, RV] and
-// lse [H, G] (both written). And 18 ints: N, then 8 per side (see `side`), then the number of
-// splits of the rows.
+// Per segment, 17 tensors: qp [H, G, RK], qb [H, G], then for keys and for values: rows (uint8),
+// scale, offset (float32), starts, ranks (int32 [H]), slots (int32, empty unless paged); row_stat
+// [N] int32, out [H, G, RV] and lse [H, G] (both written). And 22 ints: N, then 10 per side (see
+// `side`), then the number of splits of the rows.
 static Segment segment(const at::Tensor *t, const int64_t *f) {
     Segment sg;
-    const at::Tensor &qp = t[0], &out = t[13], &lse = t[14];
+    const at::Tensor &qp = t[0], &out = t[15], &lse = t[16];
     sg.qp = input<float>(qp, "qp"); sg.qb = input<float>(t[1], "qb");
     sg.H = qp.size(0); sg.G = qp.size(1); sg.RK = qp.size(2); sg.RV = out.size(2);
-    sg.N = f[0]; sg.S = f[17];
+    sg.N = f[0]; sg.S = f[21];
     sg.k = side(t + 2, f + 1, sg.H, sg.N, "keys");
-    sg.v = side(t + 7, f + 9, sg.H, sg.N, "values");
-    sg.row_stat = input<int>(t[12], "row_stat");
-    TORCH_CHECK(t[12].numel() == sg.N && sg.S >= 1, "row_stat must have N rows, splits >= 1");
+    sg.v = side(t + 8, f + 11, sg.H, sg.N, "values");
+    sg.row_stat = input<int>(t[14], "row_stat");
+    TORCH_CHECK(t[14].numel() == sg.N && sg.S >= 1, "row_stat must have N rows, splits >= 1");
     sg.out = const_cast<float *>(input<float>(out, "out")); sg.lse = const_cast<float *>(input<float>(lse, "lse"));
     TORCH_CHECK(out.size(0) == sg.H && out.size(1) == sg.G && lse.numel() == sg.H * sg.G, "out/lse shapes");
     for (int h = 0; h < sg.H; ++h)
@@ -369,7 +387,7 @@ void decode_segments(const std::vector<at::Tensor> &tensors, const std::vector<i
                      double cap) {
     TORCH_CHECK(tensors.size() % SEGMENT_TENSORS == 0 &&
                     ints.size() * SEGMENT_TENSORS == tensors.size() * SEGMENT_INTS,
-                "15 tensors and 18 ints per segment");
+                "17 tensors and 22 ints per segment");
     std::vector<Segment> segs;
     for (size_t i = 0; i * SEGMENT_TENSORS < tensors.size(); ++i)
         segs.push_back(segment(&tensors[i * SEGMENT_TENSORS], &ints[i * SEGMENT_INTS]));

@@ -1,8 +1,8 @@
 """The decode step's view of a sequence's pages (``decode_view.decode_segments``) is kept between
 steps and updated from the pages that can have changed; after any sequence of prefill chunks and
 decode steps, with eviction, Mid epochs and released sequences, it equals the view built from
-scratch by walking every page: the exact pages (in order) with the step's new token, and the
-Recent pages' codes stacked in order."""
+scratch by walking every page: the exact pages (in order, read in place from the pool) with the
+step's new token, and the Recent pages' codes stacked in order."""
 
 from __future__ import annotations
 
@@ -38,7 +38,10 @@ def _check(cache, seq, g):
     k_new, v_new = torch.randn(HKV, 1, D, generator=g), torch.randn(HKV, 1, D, generator=g)
     segs = decode_view.decode_segments(cache, seq, k_new, v_new)
     keys, values, recent = _from_scratch(cache, seq, k_new, v_new)
-    assert torch.equal(segs.exact[0], keys) and torch.equal(segs.exact[1], values)
+    exact = segs.exact_kv()
+    assert torch.equal(exact[0], keys) and torch.equal(exact[1], values)
+    # float32 CPU pools hand the exact pages over in place; the step's token comes alone
+    assert segs.exact_pages is not None and torch.equal(segs.exact[0], k_new)
     assert (segs.recent is None) == (recent is None)
     if recent is not None:
         for field in ("k_codes", "k_scale", "k_offset", "v_codes", "v_scale", "v_offset"):
