@@ -189,8 +189,13 @@ class PagedExact:
 
     def gather(self) -> tuple[Tensor, Tensor]:
         """The tokens as explicit keys [Hkv, N, dk] and values [Hkv, N, dv] (a copy)."""
-        index = self.slots.long()
-        return tuple(pool[index].transpose(0, 1).flatten(1, 2)[:, : self.tokens] for pool in (self.keys, self.values))
+        return pool_rows(self.keys, self.slots, self.tokens), pool_rows(self.values, self.slots, self.tokens)
+
+
+def pool_rows(pool: Tensor, slots: Tensor, tokens: int) -> Tensor:
+    """The first `tokens` rows of the pool slots `slots` (in order), pool [S, Hkv, P, d] ->
+    [Hkv, tokens, d] (a copy)."""
+    return pool[slots.long()].transpose(0, 1).flatten(1, 2)[:, :tokens]
 
 
 @dataclass(frozen=True, eq=False)

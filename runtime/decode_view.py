@@ -96,9 +96,9 @@ class _PagesView:
         self.state = self._state()
         # The exact pages as the kernel reads them in place: their pool slots, when every one but
         # the newest (the Terminal page, still filling) is full, so token n is row n % P of page n // P.
-        full = all(pages[i].tokens == cache.config.page_size for i in self.exact[:-1])
-        paged = full and bool(self.exact) and self.exact[-1] == len(pages) - 1 and cache.pool.keys.dtype == torch.float32 \
-            and cache.pool.keys.device.type == "cpu"
+        kernel_reads_pool = cache.pool.keys.dtype == torch.float32 and cache.pool.keys.device.type == "cpu"
+        paged = kernel_reads_pool and bool(self.exact) and self.exact[-1] == len(pages) - 1 and all(
+            pages[i].tokens == cache.config.page_size for i in self.exact[:-1])
         self.exact_slots = torch.tensor([pages[i].slot for i in self.exact], dtype=torch.int32) if paged else None
         reused = previous is not None and previous.pages is pages and previous.recent == self.recent and all(
             pages[i].recent is r for i, r in zip(self.recent, previous.state[1]))

@@ -16,6 +16,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from kvtopo.config import Config
+from kvtopo.kernels.decode_inputs import pool_rows
 
 from .codecs import MidSegment, RecentPage, encode_recent, encode_recent_pages, fit_bases, recent_page_at
 from .lifecycle import BudgetExceeded, Lifecycle, PageState, SequenceState, page_room
@@ -214,12 +215,13 @@ class LayerCache(Lifecycle):
             raise ValueError(f"append_decode takes one token for each distinct sequence, got ids {seqs} "
                              f"for keys of shape {tuple(key.shape)}")
         P = self.config.page_size
+        plain = self.window is None and not self.shared_value_dim  # no window drops, values stored
         rows, slots, offsets, entries = [], [], [], []
         for i, seq in enumerate(seqs):
             entry = self.sequences.get(seq)
             page = entry.pages[-1] if entry is not None and entry.pages else None
-            if (self.window is None and not self.shared_value_dim and page is not None and page.slot is not None
-                    and page.tokens < P and not self.starts_epoch(entry, 1, key.shape[-1])):
+            if (plain and page is not None and page.slot is not None and page.tokens < P
+                    and not self.starts_epoch(entry, 1, key.shape[-1])):
                 rows.append(i)
                 slots.append(page.slot)
                 offsets.append(page.tokens)
@@ -510,10 +512,9 @@ class LayerCache(Lifecycle):
         exact_pages = [p for p in entry.pages if p.slot is not None]
         exact = None
         if exact_pages:
-            idx = entry.block_table.long()
             total = sum(p.tokens for p in exact_pages)
-            keys = self.pool.keys[idx].transpose(0, 1).flatten(1, 2)[:, :total]
-            exact = (keys, self._values(keys, lambda: self.pool.values[idx].transpose(0, 1).flatten(1, 2)[:, :total]))
+            keys = pool_rows(self.pool.keys, entry.block_table, total)
+            exact = (keys, self._values(keys, lambda: pool_rows(self.pool.values, entry.block_table, total)))
         recent_pages = [p.recent.decode() for p in entry.pages if p.recent is not None]
         recent = None
         if recent_pages:
