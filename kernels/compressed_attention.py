@@ -157,6 +157,10 @@ def partial_lowrank(q: Tensor, keys: LowRankHeads, values: LowRankHeads, scale: 
     dv = values.vectors.shape[1]
     if n == 0:
         return _empty(q, dv)
+    rows = max(1, BLOCK_LOGITS // (hq * n)) if q.device.type == "cpu" else t
+    if rows < t:  # blocks of query rows, as partial_dense (rows are independent)
+        blocks = [partial_lowrank(q[:, r: r + rows], keys, values, scale, softcap) for r in range(0, t, rows)]
+        return torch.cat([out for out, _ in blocks], 1), torch.cat([lse for _, lse in blocks], 1)
     qg = group_query_heads(q, kv_heads)
     projected = qg @ keys.vectors  # [Hkv, G*T, Rk]
     shift = qg @ keys.mean.unsqueeze(-1)  # [Hkv, G*T, 1]: q . mean_k, shared by all tokens
@@ -172,6 +176,12 @@ def merge_partials(parts: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
 
     Rows that no segment sees (every lse -inf) come out as zeros.
     """
+    return merge_partials_lse(parts)[0]
+
+
+def merge_partials_lse(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """``merge_partials`` and the merged log-sum-exp (-inf where no segment sees a row): the
+    merged result is itself a partial, to be merged with more segments later."""
     if not parts:
         raise ValueError("merge_partials needs at least one segment")
     lse = torch.stack([part_lse for _, part_lse in parts])  # [S, Hq, T]
@@ -180,4 +190,6 @@ def merge_partials(parts: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
     weights = torch.exp(lse - m)  # -inf -> 0: empty segments weigh nothing
     total = weights.sum(0)
     out = sum(w.unsqueeze(-1) * part_out for w, (part_out, _) in zip(weights, parts))
-    return out / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
+    seen = total > 0
+    merged_lse = torch.where(seen, m + torch.log(torch.where(seen, total, torch.ones_like(total))), -float("inf"))
+    return out / torch.where(seen, total, torch.ones_like(total)).unsqueeze(-1), merged_lse

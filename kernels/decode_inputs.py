@@ -5,6 +5,7 @@ and the float64 reference (kernels/decode_reference.py) read them."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -145,6 +146,15 @@ class MidCodes:
         flat = coefficients.reshape(shape[0], -1, shape[-1])
         return (flat @ vectors.transpose(1, 2) + mean[:, None]).reshape(*shape[:-1], vectors.shape[1])
 
+    def rows(self, start: int, stop: int) -> MidCodes:
+        """The code rows start..stop of the segment (views; the per-page statistics and bases are
+        shared, so each row still reads its own statistics row)."""
+        per_row = self.value_stats_per_row
+        return dataclasses.replace(
+            self, k_rows=self.k_rows[start:stop], v_rows=self.v_rows[start:stop], row_stat=self.row_stat[start:stop],
+            v_scale=self.v_scale[start:stop] if per_row else self.v_scale,
+            v_offset=self.v_offset[start:stop] if per_row else self.v_offset)
+
     def decode(self) -> tuple[LowRankHeads, LowRankHeads]:
         """Dequantized coefficients as LowRankHeads, on an identity basis with zero mean when
         unprojected (reference/fallback only)."""
@@ -228,6 +238,12 @@ class DecodeSegments:
         if self.exact is None:
             return pages
         return tuple(torch.cat([a, b.to(a.dtype)], 1) for a, b in zip(pages, self.exact))
+
+    @property
+    def only_exact(self) -> bool:
+        """No coded or Mid segment: every stored token is exact."""
+        return ((self.recent is None or not self.recent.tokens) and self.mid is None and self.mid_other is None
+                and not self.retired)
 
     @property
     def nbytes(self) -> int:

@@ -43,3 +43,17 @@ def reference_decode(q: Tensor, segs: DecodeSegments, scale: float, dtype=torch.
         logits = softcap * torch.tanh(logits / softcap)
     p = torch.softmax(logits, -1)
     return (p @ v).reshape(q.shape[0], -1)
+
+
+def reference_history(q: Tensor, segs: DecodeSegments, scale: float, dtype=torch.float64,
+                      softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """Ground truth for a chunk's queries q [Hq, T, d] over the stored history (every row sees
+    every token): (out [Hq, T, dv], lse [Hq, T]) in ``dtype``."""
+    k, v = explicit_kv(segs, dtype)
+    hkv = k.shape[0]
+    hq, t, d = q.shape
+    logits = scale * q.to(dtype).reshape(hkv, -1, d) @ k.transpose(1, 2)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    out = torch.softmax(logits, -1) @ v
+    return out.reshape(hq, t, -1), torch.logsumexp(logits, -1).reshape(hq, t)

@@ -1,8 +1,10 @@
-"""Triton split-K decode attention over kvtopo's mixed segments (one query token per sequence).
+"""Triton split-K attention over kvtopo's mixed segments: a decode step (one query token per
+sequence), or a prefill chunk's queries over the stored history.
 
-Entry: ``triton_decode_attention(q [Hq, d], segs: DecodeSegments, scale, out=None, softcap=None)
--> [Hq, dv]``
-(``kernels.fast_decode.decode_attention`` dispatches CUDA tensors here). The segments are what
+Entries: ``triton_decode_attention(q [Hq, d], segs: DecodeSegments, scale, out=None, softcap=None)
+-> [Hq, dv]`` (``kernels.fast_decode.decode_attention`` dispatches CUDA tensors here) and
+``history_partials(q [Hq, T, d], segs, scale, softcap=None) -> (out [Hq, T, dv], lse [Hq, T])``
+(``kernels.history_attention``: every row sees every stored token). The segments are what
 the runtime stores (see ``decode_inputs.DecodeSegments``):
 
 * exact K/V [Hkv, N0, d] (any float dtype)            -> ``_dense_split_kernel`` (QUANT=False)
@@ -13,8 +15,9 @@ the runtime stores (see ``decode_inputs.DecodeSegments``):
 * unprojected Mid codes (identity basis, per-token
   value statistics)                                    -> ``_mid_split_kernel`` (VALUE_PER_ROW)
 
-Every kernel runs one program per (kv-head, split of tokens): the G query heads of a kv-head
-are the rows of one [G_PAD, ...] tile (GQA: keys/values are read once for the group). Codes are
+Every kernel runs one program per (kv-head, split of tokens, block of query rows): the query rows
+of a kv-head are its G query heads times the T tokens (T = 1 when decoding: the group is one
+tile, so keys/values are read once for it), in tiles of BLOCK_M rows. Codes are
 loaded as bytes and unpacked in registers (shift + mask; first code in the low bits), dequantized
 with their statistics and fed to ``tl.dot``; no dequantized K/V or coefficient matrix is written
 to memory. Mid logits are ``(scale * q @ B_k) . c_k + scale * q . mean_k`` and the Mid output is
@@ -89,12 +92,13 @@ def _online_softmax_step(logits, n_ok, m_i, l_i, cap, CAPPED: tl.constexpr):
 
 
 @triton.jit
-def _store_split(acc, m_i, l_i, o_ptr, lse_ptr, h, S, s, G, rg, g_ok, rcol, WIDTH):
-    """A split's normalised output [G, WIDTH] and log-sum-exp (-inf for rows that saw nothing)."""
+def _store_split(acc, m_i, l_i, o_ptr, lse_ptr, h, S, s, ROWS, rg, g_ok, rcol, WIDTH):
+    """A split's normalised output [BLOCK_M, WIDTH] of query rows rg and their log-sum-exp (-inf
+    for rows that saw nothing), at rows (h * S + s) * ROWS + rg of the [Hkv, S, ROWS] outputs."""
     seen = l_i > 0
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    row = (h * S + s) * G + rg
+    row = (h * S + s) * ROWS + rg
     tl.store(o_ptr + row[:, None] * WIDTH + rcol[None, :], out, mask=g_ok[:, None] & (rcol[None, :] < WIDTH))
     tl.store(lse_ptr + row, lse, mask=g_ok)
 
@@ -107,23 +111,23 @@ def _dense_split_kernel(
     N, per_split, page_size, cap,
     stride_kh, stride_kn, stride_vh, stride_vn,
     stride_ksh, stride_ksp, stride_vsh,
-    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    G_PAD: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    ROWS, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, QUANT: tl.constexpr, BITS: tl.constexpr, CAPPED: tl.constexpr,
 ):
     h = tl.program_id(0)
     s = tl.program_id(1)
     S = tl.num_programs(1)
-    rg = tl.arange(0, G_PAD)
+    rg = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     rdk = tl.arange(0, DK_PAD)
     rdv = tl.arange(0, DV_PAD)
     rn = tl.arange(0, BLOCK_N)
-    g_ok = rg < G
-    # q already scaled, [Hq, DK] float32, rows h*G .. h*G+G-1
-    q = tl.load(q_ptr + (h * G + rg)[:, None] * DK + rdk[None, :], mask=g_ok[:, None] & (rdk[None, :] < DK), other=0.0)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
+    g_ok = rg < ROWS
+    # q already scaled, [Hkv, ROWS, DK] float32
+    q = tl.load(q_ptr + (h * ROWS + rg)[:, None] * DK + rdk[None, :], mask=g_ok[:, None] & (rdk[None, :] < DK), other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
     n0 = s * per_split
     n1 = tl.minimum(n0 + per_split, N)
     for start in range(n0, n1, BLOCK_N):
@@ -154,7 +158,7 @@ def _dense_split_kernel(
             v = tl.load(v_ptr + h * stride_vh + n[:, None] * stride_vn + rdv[None, :], mask=vmask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
-    _store_split(acc, m_i, l_i, o_ptr, lse_ptr, h, S, s, G, rg, g_ok, rdv, DV)
+    _store_split(acc, m_i, l_i, o_ptr, lse_ptr, h, S, s, ROWS, rg, g_ok, rdv, DV)
 
 
 @triton.jit
@@ -164,8 +168,8 @@ def _mid_split_kernel(
     vr_ptr, vs_ptr, vo_ptr, vstart_ptr, vrank_ptr,
     stat_ptr, o_ptr, lse_ptr,
     N, per_split, k_bytes, v_bytes, KC, VC, cap,
-    G: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr,
-    G_PAD: tl.constexpr, RK_PAD: tl.constexpr, RV_PAD: tl.constexpr,
+    ROWS, RK: tl.constexpr, RV: tl.constexpr,
+    BLOCK_M: tl.constexpr, RK_PAD: tl.constexpr, RV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, CAPPED: tl.constexpr,
     VALUE_PER_ROW: tl.constexpr,
 ):
@@ -174,21 +178,21 @@ def _mid_split_kernel(
     h = tl.program_id(0)
     s = tl.program_id(1)
     S = tl.num_programs(1)
-    rg = tl.arange(0, G_PAD)
+    rg = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     rk_ = tl.arange(0, RK_PAD)
     rv_ = tl.arange(0, RV_PAD)
     rn = tl.arange(0, BLOCK_N)
-    g_ok = rg < G
+    g_ok = rg < ROWS
     k_rank = tl.load(krank_ptr + h)
     k_start = tl.load(kstart_ptr + h)
     v_rank = tl.load(vrank_ptr + h)
     v_start = tl.load(vstart_ptr + h)
-    # projected, scaled query [Hkv, G, RK] and its mean term [Hkv, G]
-    qp = tl.load(qp_ptr + (h * G + rg)[:, None] * RK + rk_[None, :], mask=g_ok[:, None] & (rk_[None, :] < RK), other=0.0)
-    qb = tl.load(qb_ptr + h * G + rg, mask=g_ok, other=0.0)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, RV_PAD], tl.float32)
+    # projected, scaled query [Hkv, ROWS, RK] and its mean term [Hkv, ROWS]
+    qp = tl.load(qp_ptr + (h * ROWS + rg)[:, None] * RK + rk_[None, :], mask=g_ok[:, None] & (rk_[None, :] < RK), other=0.0)
+    qb = tl.load(qb_ptr + h * ROWS + rg, mask=g_ok, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, RV_PAD], tl.float32)
     n0 = s * per_split
     n1 = tl.minimum(n0 + per_split, N)
     for start in range(n0, n1, BLOCK_N):
@@ -219,11 +223,12 @@ def _mid_split_kernel(
             cv = tl.load(vo_ptr + vst, mask=vmask, other=0.0) + vcode.to(tl.float32) * tl.load(vs_ptr + vst, mask=vmask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p, cv, input_precision="ieee")
         m_i = m_new
-    _store_split(acc, m_i, l_i, o_ptr, lse_ptr, h, S, s, G, rg, g_ok, rv_, RV)
+    _store_split(acc, m_i, l_i, o_ptr, lse_ptr, h, S, s, ROWS, rg, g_ok, rv_, RV)
 
 
-def _splits(n: int, heads: int, block: int, device: torch.device) -> tuple[int, int]:
-    """(splits, tokens per split): enough programs to fill the device, whole blocks per split."""
+def _splits(n: int, programs: int, block: int, device: torch.device) -> tuple[int, int]:
+    """(splits, tokens per split): enough programs to fill the device (``programs`` per split
+    already: kv-heads x row blocks), whole blocks per split."""
     if device.type == "cuda":
         target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
     else:
@@ -231,7 +236,7 @@ def _splits(n: int, heads: int, block: int, device: torch.device) -> tuple[int, 
     blocks = triton.cdiv(n, block)
     if FORCE_SPLITS:
         return FORCE_SPLITS, max(1, triton.cdiv(blocks, FORCE_SPLITS)) * block
-    splits = max(1, min(blocks, triton.cdiv(target, heads)))
+    splits = max(1, min(blocks, triton.cdiv(target, programs)))
     per = triton.cdiv(blocks, splits) * block
     return triton.cdiv(n, per), per
 
@@ -246,9 +251,24 @@ def _block(device: torch.device) -> int:
     return 64 if device.type == "cuda" and not INTERPRET else 16
 
 
+def _row_block(rows: int, device: torch.device) -> int:
+    """Query rows per program: a decode step's G heads in one tile; a prefill chunk's G * T rows
+    in tiles of at most 64 (16 in the interpreter)."""
+    return min(_pow2(rows), 64 if device.type == "cuda" and not INTERPRET else 16)
+
+
+def _rows_out(x: Tensor, hq: int, t: int) -> Tensor:
+    """A kernel output [Hkv, S, ROWS = G * T, ...] as [Hq, T, S, ...] (row (g, t) of kv-head h is
+    query head h * G + g, token t)."""
+    hkv, splits = x.shape[:2]
+    return x.reshape(hkv, splits, hq // hkv, t, *x.shape[3:]).permute(0, 2, 3, 1, *range(4, x.dim() + 1)).reshape(
+        hq, t, splits, *x.shape[3:])
+
+
 def dense_partial(q: Tensor, k: Tensor, v: Tensor, scale: float, recent: RecentCodes | None = None,
                   softcap: float | None = None):
-    """Split partials of q [Hq, d] over exact k/v [Hkv, N, d] (or Recent codes): o [Hq, S, dv], lse [Hq, S]."""
+    """Split partials of q [Hq, T, d] over exact k/v [Hkv, N, d] (or Recent codes), every query
+    row seeing every token: o [Hq, T, S, dv], lse [Hq, T, S]."""
     if recent is not None:
         k, v = recent.k_codes.contiguous(), recent.v_codes.contiguous()
         hkv, n = k.shape[:2]
@@ -262,68 +282,71 @@ def dense_partial(q: Tensor, k: Tensor, v: Tensor, scale: float, recent: RecentC
         dv = v.shape[-1]
         ks = ko = vs = vo = k  # unused
         page, bits = 1, 8
-    hq = q.shape[0]
-    g = hq // hkv
-    block = _block(q.device)
-    splits, per = _splits(n, hkv, block, q.device)
-    o = _scratch(hkv, splits, g, dv, device=q.device)
-    lse = _scratch(hkv, splits, g, device=q.device)
+    hq, t = q.shape[:2]
+    rows = hq // hkv * t
+    block, block_m = _block(q.device), _row_block(rows, q.device)
+    row_blocks = triton.cdiv(rows, block_m)
+    splits, per = _splits(n, hkv * row_blocks, block, q.device)
+    o = _scratch(hkv, splits, rows, dv, device=q.device)
+    lse = _scratch(hkv, splits, rows, device=q.device)
     qs = (q.float() * scale).contiguous()
-    _dense_split_kernel[(hkv, splits)](
+    _dense_split_kernel[(hkv, splits, row_blocks)](
         qs, k, v, ks, ko, vs, vo, o, lse,
         n, per, page, _cap(softcap),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         ks.stride(0), ks.stride(1) if ks.dim() > 1 else 0, vs.stride(0),
-        G=g, DK=dk, DV=dv, G_PAD=_pow2(g), DK_PAD=_pow2(dk), DV_PAD=_pow2(dv),
+        rows, DK=dk, DV=dv, BLOCK_M=block_m, DK_PAD=_pow2(dk), DV_PAD=_pow2(dv),
         BLOCK_N=block, QUANT=recent is not None, BITS=bits, CAPPED=softcap is not None,
     )
-    return o.transpose(1, 2).reshape(hq, splits, dv), lse.transpose(1, 2).reshape(hq, splits)
+    return _rows_out(o, hq, t), _rows_out(lse, hq, t)
 
 
 def mid_partial(q: Tensor, mid: MidCodes, scale: float, softcap: float | None = None):
-    """Split partials of q [Hq, d] over a Mid segment, projected or not: o [Hq, S, dv], lse [Hq, S]."""
+    """Split partials of q [Hq, T, d] over a Mid segment, projected or not: o [Hq, T, S, dv],
+    lse [Hq, T, S]."""
     hkv, rv = mid.kv_heads, mid.value_width
-    hq = q.shape[0]
-    g = hq // hkv
+    hq, t = q.shape[:2]
+    rows = hq // hkv * t
     n = mid.tokens
-    qp, qb = mid.query_terms(q, scale)  # [Hkv, G, Rk], [Hkv, G]
+    qp, qb = mid.query_terms(q, scale)  # [Hkv, G * T, Rk], [Hkv, G * T]
     rk = qp.shape[2]
-    block = _block(q.device)
-    splits, per = _splits(n, hkv, block, q.device)
-    coef = _scratch(hkv, splits, g, rv, device=q.device)
-    lse = _scratch(hkv, splits, g, device=q.device)
-    t = [x.contiguous() for x in (mid.k_rows, mid.k_scale, mid.k_offset, mid.v_rows, mid.v_scale, mid.v_offset)]
-    _mid_split_kernel[(hkv, splits)](
-        qp, qb, t[0], t[1], t[2], mid.k_starts, mid.k_ranks, t[3], t[4], t[5], mid.v_starts, mid.v_ranks,
+    block, block_m = _block(q.device), _row_block(rows, q.device)
+    row_blocks = triton.cdiv(rows, block_m)
+    splits, per = _splits(n, hkv * row_blocks, block, q.device)
+    coef = _scratch(hkv, splits, rows, rv, device=q.device)
+    lse = _scratch(hkv, splits, rows, device=q.device)
+    tensors = [x.contiguous() for x in (mid.k_rows, mid.k_scale, mid.k_offset, mid.v_rows, mid.v_scale, mid.v_offset)]
+    _mid_split_kernel[(hkv, splits, row_blocks)](
+        qp, qb, tensors[0], tensors[1], tensors[2], mid.k_starts, mid.k_ranks,
+        tensors[3], tensors[4], tensors[5], mid.v_starts, mid.v_ranks,
         mid.row_stat, coef, lse,
-        n, per, t[0].shape[1], t[3].shape[1], t[1].shape[1], t[4].shape[1], _cap(softcap),
-        G=g, RK=rk, RV=rv, G_PAD=_pow2(g), RK_PAD=_pow2(rk), RV_PAD=_pow2(rv),
+        n, per, tensors[0].shape[1], tensors[3].shape[1], tensors[1].shape[1], tensors[4].shape[1], _cap(softcap),
+        rows, RK=rk, RV=rv, BLOCK_M=block_m, RK_PAD=_pow2(rk), RV_PAD=_pow2(rv),
         BLOCK_N=block, KBITS=mid.k_bits, VBITS=mid.v_bits, CAPPED=softcap is not None,
         VALUE_PER_ROW=mid.value_stats_per_row,
     )
     out = mid.values_out(coef)  # each split is normalised (weights sum to one): the mean goes back per split
-    return out.transpose(1, 2).reshape(hq, splits, -1), lse.transpose(1, 2).reshape(hq, splits)
+    return _rows_out(out, hq, t), _rows_out(lse, hq, t)
 
 
-def merge_splits(parts, out: Tensor | None = None) -> Tensor:
-    """Exact log-sum-exp merge of split partials [(o [Hq, S_i, dv], lse [Hq, S_i]), ...]."""
-    o = torch.cat([p[0] for p in parts], 1)
-    lse = torch.cat([p[1] for p in parts], 1)
-    m = lse.amax(1, keepdim=True)
+def merge_splits(parts) -> tuple[Tensor, Tensor]:
+    """Exact log-sum-exp merge of split partials [(o [Hq, T, S_i, dv], lse [Hq, T, S_i]), ...]
+    -> (o [Hq, T, dv], lse [Hq, T]; -inf where no split saw a row)."""
+    o = torch.cat([p[0] for p in parts], 2)
+    lse = torch.cat([p[1] for p in parts], 2)
+    m = lse.amax(2, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w = torch.exp(lse - m)
-    total = w.sum(1, keepdim=True)
-    merged = (w[..., None] * o).sum(1) / torch.where(total > 0, total, torch.ones_like(total))
-    if out is None:
-        return merged
-    out.copy_(merged)
-    return out
+    total = w.sum(2, keepdim=True)
+    seen = total > 0
+    merged = (w[..., None] * o).sum(2) / torch.where(seen, total, torch.ones_like(total))
+    merged_lse = torch.where(seen, m + torch.log(torch.where(seen, total, torch.ones_like(total))), -float("inf"))
+    return merged, merged_lse[..., 0]
 
 
-def triton_decode_attention(q: Tensor, segs: DecodeSegments, scale: float, out: Tensor | None = None,
-                            softcap: float | None = None) -> Tensor:
-    """Decode attention of q [Hq, d] over every segment with the Triton kernels -> [Hq, dv] float32.
-    ``softcap``: logits are ``softcap * tanh(logits / softcap)`` (None: uncapped)."""
+def _split_partials(q: Tensor, segs: DecodeSegments, scale: float, softcap: float | None) -> list:
+    """Split partials of q [Hq, T, d] over every segment (the Triton kernels; baseline float Mid
+    encodings through the torch reference, as one split)."""
     parts = []
     exact = segs.exact_kv()
     if exact is not None and exact[0].shape[1]:
@@ -334,11 +357,37 @@ def triton_decode_attention(q: Tensor, segs: DecodeSegments, scale: float, out: 
         parts.append(mid_partial(q, segs.mid, scale, softcap))
     elif segs.mid_other is not None:  # baseline Mid encodings: torch reference
         attend = partial_lowrank if segs.mid_other_projected else partial_dense
-        o, lse = attend(q[:, None], *segs.mid_other, scale, softcap=softcap)
-        parts.append((o, lse))
+        parts.append(_one_split(attend(q, *segs.mid_other, scale, softcap=softcap)))
     for epoch in segs.retired:  # earlier Mid epochs (bases refitted as the sequence grew)
         parts.append(mid_partial(q, epoch, scale, softcap) if isinstance(epoch, MidCodes)
-                     else partial_lowrank(q[:, None], *epoch, scale, softcap=softcap))
+                     else _one_split(partial_lowrank(q, *epoch, scale, softcap=softcap)))
+    return parts
+
+
+def _one_split(part: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """A torch partial (out [Hq, T, dv], lse [Hq, T]) as one split ([Hq, T, 1, dv], [Hq, T, 1])."""
+    return part[0][:, :, None], part[1][:, :, None]
+
+
+def triton_decode_attention(q: Tensor, segs: DecodeSegments, scale: float, out: Tensor | None = None,
+                            softcap: float | None = None) -> Tensor:
+    """Decode attention of q [Hq, d] over every segment with the Triton kernels -> [Hq, dv] float32.
+    ``softcap``: logits are ``softcap * tanh(logits / softcap)`` (None: uncapped)."""
+    parts = _split_partials(q[:, None], segs, scale, softcap)
     if not parts:
         raise ValueError("decode attention over an empty history")
-    return merge_splits(parts, out)
+    merged = merge_splits(parts)[0][:, 0]
+    if out is None:
+        return merged
+    out.copy_(merged)
+    return out
+
+
+def history_partials(q: Tensor, segs: DecodeSegments, scale: float,
+                     softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """A prefill chunk's queries q [Hq, T, d] over every stored segment (kernels.history_attention)
+    -> (out [Hq, T, dv] float32, lse [Hq, T])."""
+    parts = _split_partials(q, segs, scale, softcap)
+    if not parts:
+        raise ValueError("history attention over an empty history")
+    return merge_splits(parts)

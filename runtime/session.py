@@ -20,10 +20,11 @@ import torch
 
 from kvtopo.config import Config
 from kvtopo.kernels.compressed_attention import merge_partials, partial_dense, partial_lowrank
+from kvtopo.kernels.history_attention import history_attention
 from kvtopo.kernels.reference import chunk_causal_mask, grouped_attention
 
 from . import context
-from .decode_view import attend_cache_batch
+from .decode_view import attend_cache_batch, decode_segments
 from .layer_cache import LayerCache, Segments
 from .policies import make_policy
 
@@ -237,9 +238,15 @@ class Session:
 
     @staticmethod
     def _reads_codes(cache: LayerCache, seq: int, q, sinks) -> bool:
-        """A decode step (one query token over a stored history) that the decode kernels can take:
-        not for policies that track attention mass, MLA latents, sliding windows or sinks."""
-        return (q.shape[1] == 1 and bool(cache.length(seq)) and not cache.policy.tracks_attention_mass
+        """A decode step (one query token over a stored history) that the decode kernels can take."""
+        return q.shape[1] == 1 and Session._history_as_stored(cache, seq, sinks)
+
+    @staticmethod
+    def _history_as_stored(cache: LayerCache, seq: int, sinks) -> bool:
+        """Whether the kernels that read the stored codes (decode kernels, ``history_attention``)
+        can attend this sequence's history: not for policies that track attention mass, MLA
+        latents, sliding windows or sinks."""
+        return (bool(cache.length(seq)) and not cache.policy.tracks_attention_mass
                 and not cache.shared_value_dim and cache.window is None and sinks is None)
 
     @staticmethod
@@ -255,11 +262,18 @@ class Session:
 
     def _attend_one(self, cache: LayerCache, seq: int, q, k, v, scale: float, softcap: float | None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Attend q [Hq, T, d] over [stored history ; new chunk] through the torch reference,
-        then store the chunk."""
+        """Attend q [Hq, T, d] over [stored history ; new chunk], then store the chunk. A history
+        of exact tokens only is one softmax with the chunk; a compressed one is read as stored
+        (``history_attention``) where the kernels can, else decoded for the torch reference."""
         tracks_mass = cache.policy.tracks_attention_mass
-        segments = cache.segments(seq)
-        if segments is None or (segments.only_exact and not tracks_mass):
+        stored = decode_segments(cache, seq) if self._history_as_stored(cache, seq, sinks) else None
+        coded = stored is not None and not stored.only_exact
+        segments = None if coded else cache.segments(seq)
+        if coded:
+            causal = chunk_causal_mask(0, q.shape[1], device=q.device)
+            history = history_attention(q, stored, scale, softcap)
+            out = merge_partials([history, partial_dense(q, k, v, scale, causal, softcap)]).to(q.dtype)
+        elif segments is None or (segments.only_exact and not tracks_mass):
             past = segments.exact if segments is not None else None
             keys = k if past is None else torch.cat([past[0], k], dim=1)
             values = v if past is None else torch.cat([past[1], v], dim=1)

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 from kvtopo.kernels import triton_decode
 from kvtopo.kernels.decode_inputs import MidCodes
-from kvtopo.kernels.decode_reference import reference_decode
+from kvtopo.kernels.decode_reference import reference_decode, reference_history
 from kvtopo.kernels.quant import quantize
 from kvtopo.runtime import decode_view
 
@@ -188,7 +188,8 @@ def test_empty_splits_write_zero_weight(poisoned, monkeypatch):
     segs = synthetic_segments(kv_heads=1, group=4, exact=3, recent_pages=1, page_size=4,
                                           mid_page_rows=(2, 1))
     q = torch.randn(4, 64)
-    o, lse = triton_decode.dense_partial(q, *segs.exact, 0.125)
+    o, lse = triton_decode.dense_partial(q[:, None], *segs.exact, 0.125)
+    o, lse = o[:, 0], lse[:, 0]
     assert o.shape[1] == 9 and torch.isfinite(o).all()
     assert torch.isinf(lse[:, 1:]).all() and (o[:, 1:] == 0).all()
     out = run_kernel(q, segs, 0.125)
@@ -228,6 +229,29 @@ def test_matches_runtime_store(chunks):
                              + [partial_dense(q, kn, vn, d**-0.5)])[:, 0]
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     assert math.isfinite(out.sum().item())
+
+
+# -- a prefill chunk over the stored history (history_partials) --------------------------------
+
+
+@in_process
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=segment_cases(), tokens=st.sampled_from([2, 5, 9]), splits=st.sampled_from([None, 3]),
+       projected=st.booleans(), softcap=st.sampled_from([None, 20.0]))
+def test_history_partials_match_float64_reference(case, tokens, splits, projected, softcap, poisoned, monkeypatch):
+    """T query tokens per head: G * T rows per kv-head, tiled in several row blocks (16 rows in
+    the interpreter), each row against every stored token; out and lse against float64."""
+    if splits:
+        monkeypatch.setattr(triton_decode, "FORCE_SPLITS", splits)
+    segs = synthetic_segments(**case, projected=projected)
+    hq = case["kv_heads"] * case["group"]
+    q = torch.randn(hq, tokens, case["dk"], generator=torch.Generator().manual_seed(case["seed"]))
+    out, lse = triton_decode.history_partials(q, segs, 0.125, softcap)
+    ref_out, ref_lse = reference_history(q, segs, 0.125, softcap=softcap)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and torch.isfinite(out).all()
+    bound = capped_bound(q, segs, 0.125, softcap)  # over every row (the bound reads q's rows, any shape)
+    assert (out.double() - ref_out).abs().max().item() <= bound
+    assert (lse.double() - ref_lse).abs().max().item() <= 1e-5 * (1 + ref_lse.abs().max().item())
 
 
 # -- page compressor (kernels/triton_compress.py) ----------------------------------------------
