@@ -16,9 +16,10 @@ Every sequence of a batch has its own data (no cache sharing between sequences).
 Methods, timed with CUDA events (median of --reps after warm-up):
   dense_bf16     F.scaled_dot_product_attention, q [B, Hkv, G, d] vs k/v [B, Hkv, L, d] bf16
                  (GQA folded into query rows: K/V read once per kv-head);
-  kvtopo_<cfg>   kernels.triton_decode.triton_decode_attention per sequence (the runtime's
-                 per-sequence API: B launches of each kernel), eagerly, and — when capture works —
-                 replayed as one CUDA graph for the whole batch (launch overhead removed).
+  kvtopo_<cfg>   kernels.triton_decode.triton_decode_batch (what the runtime calls: one launch
+                 per kind of segment for the whole batch), eagerly, and — when capture works —
+                 replayed as a CUDA graph (launch overhead removed). Results from before the
+                 batched launch (B launches of each kernel) are in the older JSON files.
 Bytes: dense = K+V bytes; kvtopo = DecodeSegments.nbytes (codes, statistics, exact K/V,
 bases). Achieved bandwidth = bytes / time, quoted against the device's measured copy bandwidth
 (a 1 GiB device-to-device copy: read + write bytes / time).
@@ -142,7 +143,7 @@ def main() -> None:
         sys.exit("bench/gpu_kernels.py needs a CUDA device and none is available "
                  "(torch.cuda.is_available() is False): nothing was measured.")
     from kvtopo.kernels.decode_reference import reference_decode
-    from kvtopo.kernels.triton_decode import triton_decode_attention
+    from kvtopo.kernels.triton_decode import triton_decode_attention, triton_decode_batch
 
     device = torch.device("cuda")
     began = time.time()
@@ -179,8 +180,7 @@ def main() -> None:
                 outs = torch.empty(batch, HQ, D, device=device)
 
                 def step():
-                    for i, segs in enumerate(seqs):
-                        triton_decode_attention(qs[i], segs, scale, out=outs[i])
+                    outs.copy_(triton_decode_batch(qs, seqs, scale))
 
                 nbytes = sum(s.nbytes for s in seqs)
                 t = cuda_time(step, args.reps)
@@ -217,16 +217,18 @@ def dry_run() -> None:
 
     os.environ["TRITON_INTERPRET"] = "1"
     from kvtopo.kernels.decode_reference import reference_decode
-    from kvtopo.kernels.triton_decode import triton_decode_attention
+    from kvtopo.kernels.triton_decode import triton_decode_batch
 
     for coding, (rank, bits) in CODINGS.items():
-        segs = make_segments(400, rank, bits, torch.device("cpu"), seed=1)
-        q = torch.randn(HQ, D)
-        out = triton_decode_attention(q, segs, D**-0.5)
-        ref = reference_decode(q, segs, D**-0.5)
-        err = ((out.double() - ref).norm() / ref.norm()).item()
-        print(f"dry run {coding}: {segs.mid.tokens} Mid rows, {segs.nbytes} bytes, relative error {err:.2e}")
-        assert err < 1e-5, err
+        seqs = [make_segments(400 + 50 * i, rank, bits, torch.device("cpu"), seed=1 + i) for i in range(2)]
+        q = torch.randn(2, HQ, D)
+        out = triton_decode_batch(q, seqs, D**-0.5)
+        for i, segs in enumerate(seqs):
+            ref = reference_decode(q[i], segs, D**-0.5)
+            err = ((out[i].double() - ref).norm() / ref.norm()).item()
+            print(f"dry run {coding}, sequence {i}: {segs.mid.tokens} Mid rows, {segs.nbytes} bytes, "
+                  f"relative error {err:.2e}")
+            assert err < 1e-5, err
 
 
 if __name__ == "__main__":

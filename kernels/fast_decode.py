@@ -7,8 +7,7 @@ path reads the codes as they are stored (``DecodeSegments``, kernels/decode_inpu
 by runtime/decode_view.py): CUDA tensors go to the Triton kernels (kernels/triton_decode.py), CPU
 tensors to the fused C++ kernel (kernels/cpu_decode.py). Both are checked against the float64
 reference of kernels/decode_reference.py. A decode step of many sequences
-(``decode_attention_batch``) is one call on CPU; on CUDA the Triton kernels still run once per
-sequence.
+(``decode_attention_batch``) is one call on either.
 
 Measured (bench/decode_speed.py, 1 thread, shared 2-core machine): see bench/results.
 """
@@ -45,9 +44,11 @@ def decode_attention(q: Tensor, segs: DecodeSegments, scale: float, out: Tensor 
 def decode_attention_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
                            softcap: float | None = None) -> Tensor:
     """Decode attention of a batch: q [B, Hq, d], one token per sequence, over ``segs[b]``
-    -> [B, Hq, dv] float32. On CPU one call for the whole batch (``cpu_decode_batch``); CUDA
-    tensors run the Triton kernels one sequence after another."""
+    -> [B, Hq, dv] float32, one call for the whole batch: ``cpu_decode_batch`` on CPU, on CUDA
+    ``triton_decode_batch`` (one launch per kind of segment over all sequences)."""
     check_softcap(softcap)
     if q.is_cuda:
-        return torch.stack([decode_attention(q[b], s, scale, softcap=softcap) for b, s in enumerate(segs)])
+        from .triton_decode import triton_decode_batch
+
+        return triton_decode_batch(q, segs, scale, softcap=softcap)
     return cpu_decode_batch(q, segs, scale, softcap=softcap)

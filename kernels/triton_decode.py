@@ -1,11 +1,11 @@
 """Triton split-K attention over kvtopo's mixed segments: a decode step (one query token per
 sequence), or a prefill chunk's queries over the stored history.
 
-Entries: ``triton_decode_attention(q [Hq, d], segs: DecodeSegments, scale, out=None, softcap=None)
--> [Hq, dv]`` (``kernels.fast_decode.decode_attention`` dispatches CUDA tensors here) and
-``history_partials(q [Hq, T, d], segs, scale, softcap=None) -> (out [Hq, T, dv], lse [Hq, T])``
-(``kernels.history_attention``: every row sees every stored token). The segments are what
-the runtime stores (see ``decode_inputs.DecodeSegments``):
+Entries: ``triton_decode_batch(q [B, Hq, d], segs: [DecodeSegments] * B, scale, softcap=None)
+-> [B, Hq, dv]`` (``kernels.fast_decode`` dispatches CUDA tensors here; ``triton_decode_attention``
+is a batch of one) and ``history_partials(q [Hq, T, d], segs, scale, softcap=None) -> (out
+[Hq, T, dv], lse [Hq, T])`` (``kernels.history_attention``: every row sees every stored token).
+The segments are what the runtime stores (see ``decode_inputs.DecodeSegments``):
 
 * exact K/V [Hkv, N0, d] (any float dtype)            -> ``_dense_split_kernel`` (QUANT=False)
 * Recent codes (packed b-bit, keys per page/channel,
@@ -15,9 +15,14 @@ the runtime stores (see ``decode_inputs.DecodeSegments``):
 * unprojected Mid codes (identity basis, per-token
   value statistics)                                    -> ``_mid_split_kernel`` (VALUE_PER_ROW)
 
-Every kernel runs one program per (kv-head, split of tokens, block of query rows): the query rows
-of a kv-head are its G query heads times the T tokens (T = 1 when decoding: the group is one
-tile, so keys/values are read once for it), in tiles of BLOCK_M rows. Codes are
+A batch is one launch per kind of segment for all its sequences: each kernel runs one program
+per (kv-head, split of tokens, entry x block of query rows). An entry is one sequence's segment:
+exact tokens and Recent codes of all sequences are laid side by side along the tokens (entry
+e's are starts[e] .. starts[e + 1]); Mid segments stay where the store keeps them and the
+kernel finds each (a sequence's current Mid and its earlier epochs are entries of their own)
+through a table of its tensors' addresses and sizes. The query rows of an entry are its
+sequence's G query heads times its T tokens (T = 1 when decoding: the group is one tile, so
+keys/values are read once for it), in tiles of BLOCK_M rows. Codes are
 loaded as bytes and unpacked in registers (shift + mask; first code in the low bits), dequantized
 with their statistics and fed to ``tl.dot``; no dequantized K/V or coefficient matrix is written
 to memory. Mid logits are ``(scale * q @ B_k) . c_k + scale * q . mean_k`` and the Mid output is
@@ -28,7 +33,10 @@ projection, zero mean term) and the coefficients are the values, so nothing is p
 with per-token value statistics (``VALUE_PER_ROW``, a constexpr) each row's value codes are
 dequantized with its own kv-head scale/offset instead of its page's per-column ones. Each split
 writes its normalised output and log-sum-exp (an empty split writes 0 and -inf); all splits of
-all segments are merged exactly by log-sum-exp.
+all segments of all sequences are merged exactly by log-sum-exp in one set of scatter ops. The
+host builds its small tables in pinned memory and copies them asynchronously: no host
+synchronisation. Varying shapes and addresses per step make a launch not capturable in a CUDA
+graph as it is.
 
 Logit softcapping (Gemma-2, ``softcap``): each logit becomes ``cap * tanh(logit / cap)`` right
 after its dot product, before the mask and the running max (``CAPPED`` is a constexpr, so the
@@ -43,7 +51,9 @@ reference to float32 rounding (see tests/kernels/test_triton_decode.py for the b
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -92,44 +102,52 @@ def _online_softmax_step(logits, n_ok, m_i, l_i, cap, CAPPED: tl.constexpr):
 
 
 @triton.jit
-def _store_split(acc, m_i, l_i, o_ptr, lse_ptr, h, S, s, ROWS, rg, g_ok, rcol, WIDTH):
-    """A split's normalised output [BLOCK_M, WIDTH] of query rows rg and their log-sum-exp (-inf
-    for rows that saw nothing), at rows (h * S + s) * ROWS + rg of the [Hkv, S, ROWS] outputs."""
+def _store_split(acc, m_i, l_i, o_ptr, lse_ptr, row, g_ok, rcol, WIDTH):
+    """A split's normalised output [BLOCK_M, WIDTH] and log-sum-exp (-inf for rows that saw
+    nothing) at output rows ``row``."""
     seen = l_i > 0
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    row = (h * S + s) * ROWS + rg
     tl.store(o_ptr + row[:, None] * WIDTH + rcol[None, :], out, mask=g_ok[:, None] & (rcol[None, :] < WIDTH))
     tl.store(lse_ptr + row, lse, mask=g_ok)
+
+
+@triton.jit
+def _program(ROWS, BLOCK_M: tl.constexpr):
+    """(kv-head h, split s, splits S, entry e, its query rows rg, rows in range) of this program:
+    the grid is (Hkv, S, entries x row blocks of BLOCK_M rows)."""
+    row_blocks = tl.cdiv(ROWS, BLOCK_M)
+    e = tl.program_id(2) // row_blocks
+    rg = (tl.program_id(2) % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return tl.program_id(0), tl.program_id(1), tl.num_programs(1), e, rg, rg < ROWS
 
 
 @triton.jit
 def _dense_split_kernel(
     q_ptr, k_ptr, v_ptr,
     ks_ptr, ko_ptr, vs_ptr, vo_ptr,
-    o_ptr, lse_ptr,
-    N, per_split, page_size, cap,
+    o_ptr, lse_ptr, starts_ptr,
+    per_split, page_size, cap,
     stride_kh, stride_kn, stride_vh, stride_vn,
     stride_ksh, stride_ksp, stride_vsh,
     ROWS, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, QUANT: tl.constexpr, BITS: tl.constexpr, CAPPED: tl.constexpr,
 ):
-    h = tl.program_id(0)
-    s = tl.program_id(1)
-    S = tl.num_programs(1)
-    rg = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # entry e's tokens are starts[e] .. starts[e + 1] of k/v (several sequences side by side)
+    h, s, S, e, rg, g_ok = _program(ROWS, BLOCK_M)
+    H = tl.num_programs(0)
     rdk = tl.arange(0, DK_PAD)
     rdv = tl.arange(0, DV_PAD)
     rn = tl.arange(0, BLOCK_N)
-    g_ok = rg < ROWS
-    # q already scaled, [Hkv, ROWS, DK] float32
-    q = tl.load(q_ptr + (h * ROWS + rg)[:, None] * DK + rdk[None, :], mask=g_ok[:, None] & (rdk[None, :] < DK), other=0.0)
+    # q already scaled, [E, Hkv, ROWS, DK] float32
+    q_row = (e * H + h) * ROWS + rg
+    q = tl.load(q_ptr + q_row[:, None] * DK + rdk[None, :], mask=g_ok[:, None] & (rdk[None, :] < DK), other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-    n0 = s * per_split
-    n1 = tl.minimum(n0 + per_split, N)
+    n0 = tl.load(starts_ptr + e) + s * per_split
+    n1 = tl.minimum(n0 + per_split, tl.load(starts_ptr + e + 1))
     for start in range(n0, n1, BLOCK_N):
         n = start + rn
         n_ok = n < n1
@@ -158,38 +176,48 @@ def _dense_split_kernel(
             v = tl.load(v_ptr + h * stride_vh + n[:, None] * stride_vn + rdv[None, :], mask=vmask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
-    _store_split(acc, m_i, l_i, o_ptr, lse_ptr, h, S, s, ROWS, rg, g_ok, rdv, DV)
+    _store_split(acc, m_i, l_i, o_ptr, lse_ptr, ((e * H + h) * S + s) * ROWS + rg, g_ok, rdv, DV)
 
 
 @triton.jit
 def _mid_split_kernel(
-    qp_ptr, qb_ptr,
-    kr_ptr, ks_ptr, ko_ptr, kstart_ptr, krank_ptr,
-    vr_ptr, vs_ptr, vo_ptr, vstart_ptr, vrank_ptr,
-    stat_ptr, o_ptr, lse_ptr,
-    N, per_split, k_bytes, v_bytes, KC, VC, cap,
+    qp_ptr, qb_ptr, addr_ptr, dims_ptr, kstart_ptr, krank_ptr, vstart_ptr, vrank_ptr,
+    o_ptr, lse_ptr, per_split, cap,
     ROWS, RK: tl.constexpr, RV: tl.constexpr,
     BLOCK_M: tl.constexpr, RK_PAD: tl.constexpr, RV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, CAPPED: tl.constexpr,
     VALUE_PER_ROW: tl.constexpr,
 ):
-    # value statistics: [Pm, VC] per page (row st, column of the code), or VALUE_PER_ROW
-    # [N, VC = Hkv] per token and kv-head
-    h = tl.program_id(0)
-    s = tl.program_id(1)
-    S = tl.num_programs(1)
-    rg = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Entry e is one Mid segment, wherever it is: addr [E, 7] int64 holds the addresses of its
+    # key rows, key scale, key offset, value rows, value scale, value offset and row_stat;
+    # dims [E, 5] its N, key and value row bytes, key and value statistics widths (KC, VC);
+    # kstart/krank/vstart/vrank [E, Hkv] its head columns. Value statistics: [Pm, VC] per page
+    # (row st, column of the code), or VALUE_PER_ROW [N, VC = Hkv] per token and kv-head.
+    h, s, S, e, rg, g_ok = _program(ROWS, BLOCK_M)
+    H = tl.num_programs(0)
     rk_ = tl.arange(0, RK_PAD)
     rv_ = tl.arange(0, RV_PAD)
     rn = tl.arange(0, BLOCK_N)
-    g_ok = rg < ROWS
-    k_rank = tl.load(krank_ptr + h)
-    k_start = tl.load(kstart_ptr + h)
-    v_rank = tl.load(vrank_ptr + h)
-    v_start = tl.load(vstart_ptr + h)
-    # projected, scaled query [Hkv, ROWS, RK] and its mean term [Hkv, ROWS]
-    qp = tl.load(qp_ptr + (h * ROWS + rg)[:, None] * RK + rk_[None, :], mask=g_ok[:, None] & (rk_[None, :] < RK), other=0.0)
-    qb = tl.load(qb_ptr + h * ROWS + rg, mask=g_ok, other=0.0)
+    kr_ptr = tl.load(addr_ptr + e * 7).to(tl.pointer_type(tl.uint8))
+    ks_ptr = tl.load(addr_ptr + e * 7 + 1).to(tl.pointer_type(tl.float32))
+    ko_ptr = tl.load(addr_ptr + e * 7 + 2).to(tl.pointer_type(tl.float32))
+    vr_ptr = tl.load(addr_ptr + e * 7 + 3).to(tl.pointer_type(tl.uint8))
+    vs_ptr = tl.load(addr_ptr + e * 7 + 4).to(tl.pointer_type(tl.float32))
+    vo_ptr = tl.load(addr_ptr + e * 7 + 5).to(tl.pointer_type(tl.float32))
+    stat_ptr = tl.load(addr_ptr + e * 7 + 6).to(tl.pointer_type(tl.int32))
+    N = tl.load(dims_ptr + e * 5)
+    k_bytes = tl.load(dims_ptr + e * 5 + 1)
+    v_bytes = tl.load(dims_ptr + e * 5 + 2)
+    KC = tl.load(dims_ptr + e * 5 + 3)
+    VC = tl.load(dims_ptr + e * 5 + 4)
+    k_rank = tl.load(krank_ptr + e * H + h)
+    k_start = tl.load(kstart_ptr + e * H + h)
+    v_rank = tl.load(vrank_ptr + e * H + h)
+    v_start = tl.load(vstart_ptr + e * H + h)
+    # projected, scaled query [E, Hkv, ROWS, RK] and its mean term [E, Hkv, ROWS]
+    q_row = (e * H + h) * ROWS + rg
+    qp = tl.load(qp_ptr + q_row[:, None] * RK + rk_[None, :], mask=g_ok[:, None] & (rk_[None, :] < RK), other=0.0)
+    qb = tl.load(qb_ptr + q_row, mask=g_ok, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, RV_PAD], tl.float32)
@@ -223,7 +251,7 @@ def _mid_split_kernel(
             cv = tl.load(vo_ptr + vst, mask=vmask, other=0.0) + vcode.to(tl.float32) * tl.load(vs_ptr + vst, mask=vmask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p, cv, input_precision="ieee")
         m_i = m_new
-    _store_split(acc, m_i, l_i, o_ptr, lse_ptr, h, S, s, ROWS, rg, g_ok, rv_, RV)
+    _store_split(acc, m_i, l_i, o_ptr, lse_ptr, ((e * H + h) * S + s) * ROWS + rg, g_ok, rv_, RV)
 
 
 def _splits(n: int, programs: int, block: int, device: torch.device) -> tuple[int, int]:
@@ -257,126 +285,181 @@ def _row_block(rows: int, device: torch.device) -> int:
     return min(_pow2(rows), 64 if device.type == "cuda" and not INTERPRET else 16)
 
 
-def _rows_out(x: Tensor, hq: int, t: int) -> Tensor:
-    """A kernel output [Hkv, S, ROWS = G * T, ...] as [Hq, T, S, ...] (row (g, t) of kv-head h is
-    query head h * G + g, token t)."""
-    hkv, splits = x.shape[:2]
-    return x.reshape(hkv, splits, hq // hkv, t, *x.shape[3:]).permute(0, 2, 3, 1, *range(4, x.dim() + 1)).reshape(
-        hq, t, splits, *x.shape[3:])
+def _table(rows: list[list[int]], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small host-built table on the device without a host synchronisation (pinned, async copy)."""
+    table = torch.tensor(rows, dtype=dtype)
+    if device.type != "cuda":
+        return table
+    if torch.cuda.is_current_stream_capturing():  # a replay would copy from a freed host buffer
+        raise RuntimeError("kvtopo's batched Triton decode builds its tables per call: it cannot be captured "
+                           "in a CUDA graph")
+    return table.pin_memory().to(device, non_blocking=True)
 
 
-def dense_partial(q: Tensor, k: Tensor, v: Tensor, scale: float, recent: RecentCodes | None = None,
-                  softcap: float | None = None):
-    """Split partials of q [Hq, T, d] over exact k/v [Hkv, N, d] (or Recent codes), every query
-    row seeing every token: o [Hq, T, S, dv], lse [Hq, T, S]."""
+def _launch(kernel, device: torch.device, heads: int, entries: int, rows: int, tokens: int):
+    """(kernel[grid], splits, tokens per split, BLOCK_M, BLOCK_N) for `entries` segments of up to
+    `tokens` tokens with `rows` query rows each."""
+    block, block_m = _block(device), _row_block(rows, device)
+    programs = entries * triton.cdiv(rows, block_m)
+    splits, per = _splits(max(tokens, 1), heads * programs, block, device)
+    return kernel[(heads, splits, programs)], splits, per, block_m, block
+
+
+def _as_rows(o: Tensor, lse: Tensor, seq: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Kernel outputs o [E, Hkv, S, ROWS, dv], lse [E, Hkv, S, ROWS] of the entries' sequences
+    `seq` [E] as merge rows: o [E * S, Hkv * ROWS, dv], lse [E * S, Hkv * ROWS], sequence [E * S]
+    (Hkv * ROWS is query head x token: row g * T + t of kv-head h is head h * G + g, token t)."""
+    e, hkv, splits, rows = lse.shape
+    return (o.permute(0, 2, 1, 3, 4).reshape(e * splits, hkv * rows, -1),
+            lse.permute(0, 2, 1, 3).reshape(e * splits, hkv * rows), seq.repeat_interleave(splits))
+
+
+def _dense_rows(qs: Tensor, entries: list[int], kv: tuple[Tensor, Tensor] | None, recent: RecentCodes | None,
+                tokens: list[int], softcap: float | None):
+    """One launch over exact K/V (or Recent codes) of several sequences side by side along the
+    tokens (`tokens[i]` of sequence entries[i]); qs [B, Hkv, ROWS, d] the scaled queries."""
+    device = qs.device
     if recent is not None:
         k, v = recent.k_codes.contiguous(), recent.v_codes.contiguous()
-        hkv, n = k.shape[:2]
         dk, dv = recent.dk, recent.dv
         ks, ko = recent.k_scale.contiguous(), recent.k_offset.contiguous()
         vs, vo = recent.v_scale.contiguous(), recent.v_offset.contiguous()
         page, bits = recent.page_size, recent.bits
     else:
-        k, v = k.contiguous(), v.contiguous()
-        hkv, n, dk = k.shape
-        dv = v.shape[-1]
+        k, v = (x.contiguous() for x in kv)
+        dk, dv = k.shape[-1], v.shape[-1]
         ks = ko = vs = vo = k  # unused
         page, bits = 1, 8
-    hq, t = q.shape[:2]
-    rows = hq // hkv * t
-    block, block_m = _block(q.device), _row_block(rows, q.device)
-    row_blocks = triton.cdiv(rows, block_m)
-    splits, per = _splits(n, hkv * row_blocks, block, q.device)
-    o = _scratch(hkv, splits, rows, dv, device=q.device)
-    lse = _scratch(hkv, splits, rows, device=q.device)
-    qs = (q.float() * scale).contiguous()
-    _dense_split_kernel[(hkv, splits, row_blocks)](
-        qs, k, v, ks, ko, vs, vo, o, lse,
-        n, per, page, _cap(softcap),
+    rows = qs.shape[2]
+    q = qs if len(entries) == qs.shape[0] else qs[torch.tensor(entries, device=device)].contiguous()
+    starts = _table([0, *itertools.accumulate(tokens)], torch.int32, device)
+    run, splits, per, block_m, block = _launch(_dense_split_kernel, device, k.shape[0], len(entries), rows, max(tokens))
+    o = _scratch(len(entries), k.shape[0], splits, rows, dv, device=device)
+    lse = _scratch(len(entries), k.shape[0], splits, rows, device=device)
+    run(q, k, v, ks, ko, vs, vo, o, lse, starts,
+        per, page, _cap(softcap),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         ks.stride(0), ks.stride(1) if ks.dim() > 1 else 0, vs.stride(0),
         rows, DK=dk, DV=dv, BLOCK_M=block_m, DK_PAD=_pow2(dk), DV_PAD=_pow2(dv),
-        BLOCK_N=block, QUANT=recent is not None, BITS=bits, CAPPED=softcap is not None,
-    )
-    return _rows_out(o, hq, t), _rows_out(lse, hq, t)
+        BLOCK_N=block, QUANT=recent is not None, BITS=bits, CAPPED=softcap is not None)
+    return _as_rows(o, lse, torch.tensor(entries, device=device))
 
 
-def mid_partial(q: Tensor, mid: MidCodes, scale: float, softcap: float | None = None):
-    """Split partials of q [Hq, T, d] over a Mid segment, projected or not: o [Hq, T, S, dv],
-    lse [Hq, T, S]."""
-    hkv, rv = mid.kv_heads, mid.value_width
-    hq, t = q.shape[:2]
-    rows = hq // hkv * t
-    n = mid.tokens
-    qp, qb = mid.query_terms(q, scale)  # [Hkv, G * T, Rk], [Hkv, G * T]
-    rk = qp.shape[2]
-    block, block_m = _block(q.device), _row_block(rows, q.device)
-    row_blocks = triton.cdiv(rows, block_m)
-    splits, per = _splits(n, hkv * row_blocks, block, q.device)
-    coef = _scratch(hkv, splits, rows, rv, device=q.device)
-    lse = _scratch(hkv, splits, rows, device=q.device)
-    tensors = [x.contiguous() for x in (mid.k_rows, mid.k_scale, mid.k_offset, mid.v_rows, mid.v_scale, mid.v_offset)]
-    _mid_split_kernel[(hkv, splits, row_blocks)](
-        qp, qb, tensors[0], tensors[1], tensors[2], mid.k_starts, mid.k_ranks,
-        tensors[3], tensors[4], tensors[5], mid.v_starts, mid.v_ranks,
-        mid.row_stat, coef, lse,
-        n, per, tensors[0].shape[1], tensors[3].shape[1], tensors[1].shape[1], tensors[4].shape[1], _cap(softcap),
-        rows, RK=rk, RV=rv, BLOCK_M=block_m, RK_PAD=_pow2(rk), RV_PAD=_pow2(rv),
-        BLOCK_N=block, KBITS=mid.k_bits, VBITS=mid.v_bits, CAPPED=softcap is not None,
-        VALUE_PER_ROW=mid.value_stats_per_row,
-    )
-    out = mid.values_out(coef)  # each split is normalised (weights sum to one): the mean goes back per split
-    return _rows_out(out, hq, t), _rows_out(lse, hq, t)
+def _mid_rows(q: Tensor, qs: Tensor, entries: list[int], mids: list[MidCodes], scale: float,
+              softcap: float | None):
+    """One launch over Mid segments wherever they are stored (mids[i] of sequence entries[i];
+    several may belong to one sequence: its earlier epochs), found through a table of their
+    addresses. Unprojected (the default coding) reads the scaled queries qs [B, Hkv, ROWS, d]
+    as they are; projected segments have their own bases, so their query terms and the
+    projection back are one small product per segment."""
+    first = mids[0]
+    for m in mids:
+        if (m.k_rows.dtype, m.v_rows.dtype, m.row_stat.dtype) != (torch.uint8, torch.uint8, torch.int32) or any(
+                x.dtype != torch.float32 for x in (m.k_scale, m.k_offset, m.v_scale, m.v_offset)):
+            raise ValueError("Mid codes must be uint8 rows, float32 statistics and int32 row_stat "
+                             "(the kernel reads them through their addresses)")
+    if any((m.k_bits, m.v_bits, m.projected, m.value_stats_per_row) !=
+           (first.k_bits, first.v_bits, first.projected, first.value_stats_per_row) for m in mids):
+        raise ValueError("the Mid segments of one launch must share bits, projection and value statistics")
+    device, (batch, heads, rows, _) = qs.device, qs.shape
+    index = torch.tensor(entries, device=device)
+    if first.projected:
+        terms = [m.query_terms(q[b], scale) for b, m in zip(entries, mids)]  # [Hkv, ROWS, Rk_i], [Hkv, ROWS]
+        rk = max(t[0].shape[-1] for t in terms)
+        qp = torch.stack([torch.nn.functional.pad(t[0], (0, rk - t[0].shape[-1])) for t in terms])
+        qb = torch.stack([t[1] for t in terms])
+    else:
+        qp, qb = qs[index].contiguous(), qs.new_zeros(len(entries), heads, rows)
+    width = max(m.value_width for m in mids)
+    held = [[x.contiguous() for x in (m.k_rows, m.k_scale, m.k_offset, m.v_rows, m.v_scale, m.v_offset, m.row_stat)]
+            for m in mids]  # alive until the launch is queued (stream order keeps them for the kernel)
+    addr = _table([[x.data_ptr() for x in h] for h in held], torch.int64, device)
+    dims = _table([[m.tokens, h[0].shape[1], h[3].shape[1], h[1].shape[1], h[4].shape[1]] for m, h in zip(mids, held)],
+                  torch.int32, device)
+    columns = [torch.stack([getattr(m, f) for m in mids]) for f in ("k_starts", "k_ranks", "v_starts", "v_ranks")]
+    run, splits, per, block_m, block = _launch(_mid_split_kernel, device, heads, len(mids), rows,
+                                               max(m.tokens for m in mids))
+    coef = _scratch(len(mids), heads, splits, rows, width, device=device)
+    lse = _scratch(len(mids), heads, splits, rows, device=device)
+    run(qp.contiguous(), qb.contiguous(), addr, dims, *columns, coef, lse, per, _cap(softcap),
+        rows, RK=qp.shape[-1], RV=width, BLOCK_M=block_m, RK_PAD=_pow2(qp.shape[-1]), RV_PAD=_pow2(width),
+        BLOCK_N=block, KBITS=first.k_bits, VBITS=first.v_bits, CAPPED=softcap is not None,
+        VALUE_PER_ROW=first.value_stats_per_row)
+    if first.projected:  # each split is normalised (weights sum to one): the mean goes back per split
+        out = torch.stack([m.values_out(c[..., : m.value_width]) for m, c in zip(mids, coef)])
+    else:
+        out = coef
+    return _as_rows(out, lse, index)
 
 
-def merge_splits(parts) -> tuple[Tensor, Tensor]:
-    """Exact log-sum-exp merge of split partials [(o [Hq, T, S_i, dv], lse [Hq, T, S_i]), ...]
-    -> (o [Hq, T, dv], lse [Hq, T]; -inf where no split saw a row)."""
-    o = torch.cat([p[0] for p in parts], 2)
-    lse = torch.cat([p[1] for p in parts], 2)
-    m = lse.amax(2, keepdim=True)
+def _merge_rows(pieces, batch: int) -> tuple[Tensor, Tensor]:
+    """Exact log-sum-exp merge of partial rows [(o [P, R, dv], lse [P, R], sequence [P]), ...]
+    into each sequence's (out [B, R, dv], lse [B, R]; -inf where nothing was seen)."""
+    o = torch.cat([p[0] for p in pieces])
+    lse = torch.cat([p[1] for p in pieces])
+    seq = torch.cat([p[2] for p in pieces])
+    m = lse.new_full((batch, lse.shape[1]), -float("inf"))
+    m = m.scatter_reduce(0, seq[:, None].expand_as(lse), lse, "amax")
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(lse - m)
-    total = w.sum(2, keepdim=True)
+    w = torch.exp(lse - m[seq])
+    total = lse.new_zeros(batch, lse.shape[1]).index_add_(0, seq, w)
+    merged = o.new_zeros(batch, *o.shape[1:]).index_add_(0, seq, w[..., None] * o)
     seen = total > 0
-    merged = (w[..., None] * o).sum(2) / torch.where(seen, total, torch.ones_like(total))
-    merged_lse = torch.where(seen, m + torch.log(torch.where(seen, total, torch.ones_like(total))), -float("inf"))
-    return merged, merged_lse[..., 0]
+    merged = merged / torch.where(seen, total, torch.ones_like(total))[..., None]
+    return merged, torch.where(seen, m + torch.log(torch.where(seen, total, torch.ones_like(total))), -float("inf"))
 
 
-def _split_partials(q: Tensor, segs: DecodeSegments, scale: float, softcap: float | None) -> list:
-    """Split partials of q [Hq, T, d] over every segment (the Triton kernels; baseline float Mid
-    encodings through the torch reference, as one split)."""
-    parts = []
-    exact = segs.exact_kv()
-    if exact is not None and exact[0].shape[1]:
-        parts.append(dense_partial(q, *exact, scale, softcap=softcap))
-    if segs.recent is not None and segs.recent.tokens:
-        parts.append(dense_partial(q, None, None, scale, recent=segs.recent, softcap=softcap))
-    if segs.mid is not None and segs.mid.tokens:
-        parts.append(mid_partial(q, segs.mid, scale, softcap))
-    elif segs.mid_other is not None:  # baseline Mid encodings: torch reference
-        attend = partial_lowrank if segs.mid_other_projected else partial_dense
-        parts.append(_one_split(attend(q, *segs.mid_other, scale, softcap=softcap)))
-    for epoch in segs.retired:  # earlier Mid epochs (bases refitted as the sequence grew)
-        parts.append(mid_partial(q, epoch, scale, softcap) if isinstance(epoch, MidCodes)
-                     else _one_split(partial_lowrank(q, *epoch, scale, softcap=softcap)))
-    return parts
+def _attend(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
+            softcap: float | None) -> tuple[Tensor, Tensor]:
+    """q [B, Hq, T, d] of sequence b over segs[b] (every row sees every stored token) -> (out
+    [B, Hq, T, dv], lse [B, Hq, T]): one launch per kind of segment for the whole batch — exact
+    tokens and Recent codes of all sequences side by side, every Mid segment (and earlier
+    epoch) of every sequence through its addresses — and one merge. Mid stored as floats
+    (baseline policies) goes through the torch reference, per sequence."""
+    batch, hq, t, d = q.shape
+    heads = segs[0].kv_heads
+    qs = (scale * q.float()).reshape(batch, heads, hq // heads * t, d).contiguous()
+    pieces = []
+    exact = [(b, kv) for b, s in enumerate(segs) if (kv := s.exact_kv()) is not None and kv[0].shape[1]]
+    if exact:
+        kv = exact[0][1] if len(exact) == 1 else tuple(torch.cat([x[i] for _, x in exact], 1) for i in (0, 1))
+        pieces.append(_dense_rows(qs, [b for b, _ in exact], kv, None, [x[0].shape[1] for _, x in exact], softcap))
+    recent = [(b, s.recent) for b, s in enumerate(segs) if s.recent is not None and s.recent.tokens]
+    if recent:
+        codes = recent[0][1] if len(recent) == 1 else RecentCodes.concat([r for _, r in recent])
+        pieces.append(_dense_rows(qs, [b for b, _ in recent], None, codes, [r.tokens for _, r in recent], softcap))
+    coded, floats = [], []
+    for b, s in enumerate(segs):
+        if s.mid is None and s.mid_other is not None:
+            floats.append((b, partial_lowrank if s.mid_other_projected else partial_dense, s.mid_other))
+        for epoch in ((s.mid,) if s.mid is not None and s.mid.tokens else ()) + tuple(s.retired):
+            if isinstance(epoch, MidCodes):
+                coded.append((b, epoch))
+            else:
+                floats.append((b, partial_lowrank, epoch))
+    if coded:
+        pieces.append(_mid_rows(q, qs, [b for b, _ in coded], [m for _, m in coded], scale, softcap))
+    for b, attend, stored in floats:
+        o, lse = attend(q[b], *stored, scale, softcap=softcap)
+        pieces.append((o.reshape(1, hq * t, -1), lse.reshape(1, hq * t), torch.tensor([b], device=q.device)))
+    if not pieces:
+        raise ValueError("attention over an empty history")
+    out, lse = _merge_rows(pieces, batch)
+    return out.reshape(batch, hq, t, -1), lse.reshape(batch, hq, t)
 
 
-def _one_split(part: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """A torch partial (out [Hq, T, dv], lse [Hq, T]) as one split ([Hq, T, 1, dv], [Hq, T, 1])."""
-    return part[0][:, :, None], part[1][:, :, None]
+def triton_decode_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
+                        softcap: float | None = None) -> Tensor:
+    """Decode attention of a batch, q [B, Hq, d] (one token per sequence) over each sequence's
+    segments -> [B, Hq, dv] float32, one launch per kind of segment for all sequences.
+    ``softcap``: logits are ``softcap * tanh(logits / softcap)`` (None: uncapped)."""
+    return _attend(q[:, :, None], segs, scale, softcap)[0][:, :, 0]
 
 
 def triton_decode_attention(q: Tensor, segs: DecodeSegments, scale: float, out: Tensor | None = None,
                             softcap: float | None = None) -> Tensor:
-    """Decode attention of q [Hq, d] over every segment with the Triton kernels -> [Hq, dv] float32.
-    ``softcap``: logits are ``softcap * tanh(logits / softcap)`` (None: uncapped)."""
-    parts = _split_partials(q[:, None], segs, scale, softcap)
-    if not parts:
-        raise ValueError("decode attention over an empty history")
-    merged = merge_splits(parts)[0][:, 0]
+    """Decode attention of q [Hq, d] over every segment (a batch of one) -> [Hq, dv] float32."""
+    merged = triton_decode_batch(q[None], [segs], scale, softcap)[0]
     if out is None:
         return merged
     out.copy_(merged)
@@ -387,7 +470,5 @@ def history_partials(q: Tensor, segs: DecodeSegments, scale: float,
                      softcap: float | None = None) -> tuple[Tensor, Tensor]:
     """A prefill chunk's queries q [Hq, T, d] over every stored segment (kernels.history_attention)
     -> (out [Hq, T, dv] float32, lse [Hq, T])."""
-    parts = _split_partials(q, segs, scale, softcap)
-    if not parts:
-        raise ValueError("history attention over an empty history")
-    return merge_splits(parts)
+    out, lse = _attend(q[None], [segs], scale, softcap)
+    return out[0], lse[0]

@@ -18,6 +18,7 @@ first, and the result must be finite.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -188,10 +189,10 @@ def test_empty_splits_write_zero_weight(poisoned, monkeypatch):
     segs = synthetic_segments(kv_heads=1, group=4, exact=3, recent_pages=1, page_size=4,
                                           mid_page_rows=(2, 1))
     q = torch.randn(4, 64)
-    o, lse = triton_decode.dense_partial(q[:, None], *segs.exact, 0.125)
-    o, lse = o[:, 0], lse[:, 0]
-    assert o.shape[1] == 9 and torch.isfinite(o).all()
-    assert torch.isinf(lse[:, 1:]).all() and (o[:, 1:] == 0).all()
+    qs = (0.125 * q).reshape(1, 1, 4, 64)
+    o, lse, seq = triton_decode._dense_rows(qs, [0], segs.exact, None, [segs.exact[0].shape[1]], None)
+    assert o.shape[0] == 9 and torch.isfinite(o).all() and (seq == 0).all()  # 9 splits, one sequence
+    assert torch.isinf(lse[1:]).all() and (o[1:] == 0).all()
     out = run_kernel(q, segs, 0.125)
     ref = reference_decode(q, segs, 0.125)
     assert (out.double() - ref).abs().max().item() <= error_bound(q, segs, 0.125)
@@ -229,6 +230,53 @@ def test_matches_runtime_store(chunks):
                              + [partial_dense(q, kn, vn, d**-0.5)])[:, 0]
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     assert math.isfinite(out.sum().item())
+
+
+# -- a batch of sequences in one launch per kind (triton_decode_batch) ---------------------------
+
+
+@in_process
+@pytest.mark.parametrize("projected", [True, False])
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_batch_is_one_launch_per_kind_and_matches_float64(projected, softcap, poisoned, monkeypatch):
+    """Four sequences with different histories (lengths, ranks, empty phases, earlier Mid
+    epochs): one exact launch, one Recent launch, one Mid launch for all of them, and each
+    sequence's row equals its float64 reference."""
+    shapes = [dict(exact=5, recent_pages=2, mid_page_rows=(8, 3, 5), seed=1),
+              dict(exact=1, recent_pages=0, mid_page_rows=(2,), seed=2, k_ranks=(7, 1), v_ranks=(2, 9)),
+              dict(exact=33, recent_pages=1, mid_page_rows=(0,), seed=3),
+              dict(exact=2, recent_pages=1, mid_page_rows=(8, 8, 8, 8, 1), seed=4)]
+    segs = [synthetic_segments(kv_heads=2, group=4, page_size=8, projected=projected, **shape) for shape in shapes]
+    earlier = synthetic_segments(kv_heads=2, group=4, exact=0, recent_pages=0, mid_page_rows=(4, 6), seed=5,
+                                 projected=projected).mid
+    segs[0] = dataclasses.replace(segs[0], retired=(earlier,))
+    launches = {"dense": 0, "mid": 0}
+    for name, attr in (("dense", "_dense_split_kernel"), ("mid", "_mid_split_kernel")):
+        kernel = getattr(triton_decode, attr)
+
+        class Counted:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                launches[name] += 1
+                return kernel[grid]
+
+        monkeypatch.setattr(triton_decode, attr, Counted())
+    q = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(0))
+    out = triton_decode.triton_decode_batch(q, segs, 0.125, softcap)
+    assert launches == {"dense": 2, "mid": 1}
+    assert out.shape == (4, 8, 64) and torch.isfinite(out).all()
+    for b, sb in enumerate(segs):
+        ref = reference_decode(q[b], sb, 0.125, softcap=softcap)
+        assert (out[b].double() - ref).abs().max().item() <= capped_bound(q[b], sb, 0.125, softcap)
+
+
+@in_process
+def test_mid_codes_of_another_dtype_are_refused():
+    """The Mid kernel reads statistics through their addresses as float32: other dtypes would be
+    misread, so they are refused."""
+    segs = synthetic_segments(kv_heads=1, group=4, exact=1, recent_pages=0, mid_page_rows=(4,))
+    half = dataclasses.replace(segs, mid=dataclasses.replace(segs.mid, k_scale=segs.mid.k_scale.half()))
+    with pytest.raises(ValueError, match="float32 statistics"):
+        triton_decode.triton_decode_attention(torch.randn(4, 64), half, 0.125)
 
 
 # -- a prefill chunk over the stored history (history_partials) --------------------------------
