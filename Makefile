@@ -18,8 +18,9 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/python examples/demo.py
 
+# Two workers, whole test files each (module fixtures, e.g. a loaded model, are built once).
 test: setup
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 # Every benchmark in bench/, each writing its JSON (and PNG) to bench/results/. Long: see README.
 bench: setup
