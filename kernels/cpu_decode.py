@@ -6,7 +6,8 @@ epochs — runs in one call of a small C++ kernel (kernels/csrc/mid_decode.cpp) 
 source, compiler flags and CPU by ``torch.utils.cpp_extension`` and cached by it. Each is read
 as stored: Mid as packed code rows (all kv-heads side by side) with per-page statistics, Recent
 as each kv-head's code block, exact tokens as float32 "codes" with unit statistics (read in place
-from the layer's page pool through the pages' slots when the pool is float32: ``PagedExact``). The kernel
+from the layer's page pool through the pages' slots when the pool is float32 or bfloat16, as
+32- or 16-bit codes: ``PagedExact``). The kernel
 releases the GIL and runs its work items, (segment, split of 1024 rows), on torch's thread
 count of its own threads, each thread a run of items holding about the same number of rows.
 For each split and every kv-head at once it unpacks each row's codes, folds the page's key
@@ -295,17 +296,18 @@ def _exact_args(qp: Tensor, qb: Tensor, exact: tuple[Tensor, Tensor], out: Tenso
 
 def _paged_exact_args(qp: Tensor, qb: Tensor, pages: PagedExact, out: Tensor,
                       lse: Tensor) -> tuple[list[Tensor], list[int]]:
-    """Exact tokens read in place from the layer's page pool (keys [S, Hkv, P, dk] float32):
-    as ``_exact_args``, each row one run per kv-head (a head's P rows of a slot are P * dk
-    floats apart), rows found through the pages' slots."""
+    """Exact tokens read in place from the layer's page pool (keys [S, Hkv, P, dk], float32 or
+    bfloat16: 32- or 16-bit "codes"): as ``_exact_args``, each row one run per kv-head (a head's
+    P rows of a slot are P * dk values apart), rows found through the pages' slots."""
     slots, (_, heads, page, dk), dv = pages.slots, pages.keys.shape, pages.values.shape[-1]
+    size = pages.keys.element_size()
     k_starts, k_ranks, v_starts, v_ranks, k_ones, k_zeros, v_ones, v_zeros = _exact_layout(heads, dk, dv)
     tensors = [qp, qb, pages.keys.view(torch.uint8), k_ones, k_zeros, k_starts, k_ranks, slots,
                pages.values.view(torch.uint8), v_ones, v_zeros, v_starts, v_ranks, slots, _zero_rows(pages.tokens),
                out, lse]
     ints = [pages.tokens,
-            32, heads, dk, 4 * dk, 4 * page * dk, 0, 0, 0, page, 4 * heads * page * dk,
-            32, heads, dv, 4 * dv, 4 * page * dv, 0, 0, 0, page, 4 * heads * page * dv]
+            8 * size, heads, dk, size * dk, size * page * dk, 0, 0, 0, page, size * heads * page * dk,
+            8 * size, heads, dv, size * dv, size * page * dv, 0, 0, 0, page, size * heads * page * dv]
     return tensors, ints
 
 

@@ -188,7 +188,7 @@ class MidCodes:
 @dataclass(frozen=True, eq=False)
 class PagedExact:
     """Exact tokens read where they are: a layer's page pool (keys [S, Hkv, P, dk], values
-    [S, Hkv, P, dv], float32) and the pool slots of the sequence's exact pages, in order (int32
+    [S, Hkv, P, dv], float32 or bfloat16) and the pool slots of the sequence's exact pages, in order (int32
     [pages], every page full but the last), `tokens` tokens in all. The CPU kernel reads them in
     place, so a decode step does not copy a sequence's exact history (all of it, lossless)."""
 

@@ -96,7 +96,8 @@ class _PagesView:
         self.state = self._state()
         # The exact pages as the kernel reads them in place: their pool slots, when every one but
         # the newest (the Terminal page, still filling) is full, so token n is row n % P of page n // P.
-        kernel_reads_pool = cache.pool.keys.dtype == torch.float32 and cache.pool.keys.device.type == "cpu"
+        kernel_reads_pool = (cache.pool.keys.dtype in (torch.float32, torch.bfloat16)
+                             and cache.pool.keys.device.type == "cpu")
         paged = kernel_reads_pool and bool(self.exact) and self.exact[-1] == len(pages) - 1 and all(
             pages[i].tokens == cache.config.page_size for i in self.exact[:-1])
         self.exact_slots = torch.tensor([pages[i].slot for i in self.exact], dtype=torch.int32) if paged else None
@@ -133,8 +134,8 @@ def _pages_view(cache: LayerCache, entry) -> _PagesView:
 
 def decode_segments(cache: LayerCache, seq: int, k_new: Tensor | None = None, v_new: Tensor | None = None) -> DecodeSegments:
     """DecodeSegments of sequence ``seq`` in a ``LayerCache``, plus the step's new
-    k/v [Hkv, 1, d] appended to the exact segment (the new token sees itself). A float32 CPU
-    pool's exact pages are handed over in place (``exact_pages``; ``exact`` is then the new
+    k/v [Hkv, 1, d] appended to the exact segment (the new token sees itself). A float32 or bfloat16
+    CPU pool's exact pages are handed over in place (``exact_pages``; ``exact`` is then the new
     token alone); other pools' are copied into ``exact``."""
     entry = cache.sequences.get(seq)
     ks, vs, paged = [], [], None

@@ -96,11 +96,19 @@ static void weigh_rows(float *a, const float *u, int u_stride, const float *w, i
     for (int t = 0; t < T; ++t) store8(a + 8 * t, load8(a + 8 * t) + acc[t]);
 }
 
-/* C codes packed `bits` wide (first code in the low bits) as floats; 32 bits: float32 values.
-   Plain loops: the compiler's loop vectorizer widens and converts the bytes in vector registers. */
+/* C codes packed `bits` wide (first code in the low bits) as floats; 32 bits: float32 values;
+   16 bits: bfloat16 values (the high half of a float32). Plain loops: the compiler's loop
+   vectorizer widens and converts the bytes in vector registers. */
 static inline void unpack(const uint8_t *__restrict src, int C, int bits, float *__restrict u) {
     if (bits == 32) {
         memcpy(u, src, sizeof(float) * C);
+    } else if (bits == 16) {
+        for (int c = 0; c < C; ++c) {
+            uint16_t half;
+            memcpy(&half, src + 2 * c, 2);
+            uint32_t word = (uint32_t)half << 16;
+            memcpy(u + c, &word, 4);
+        }
     } else if (bits == 8) {
         for (int c = 0; c < C; ++c) u[c] = (float)src[c];
     } else if (bits == 4) {
@@ -333,7 +341,8 @@ static Side side(const at::Tensor *t, const int64_t *f, int H, int N, const char
     s.stat_a = f[5]; s.stat_b = f[6]; s.per_row = f[7];
     s.slots = t[5].numel() ? input<int>(t[5], name) : nullptr;
     s.page_rows = f[8]; s.slot_stride = f[9];
-    TORCH_CHECK(s.bits == 2 || s.bits == 4 || s.bits == 8 || s.bits == 32, name, ": bits must be 2, 4, 8 or 32");
+    TORCH_CHECK(s.bits == 2 || s.bits == 4 || s.bits == 8 || s.bits == 16 || s.bits == 32, name,
+                ": bits must be 2, 4, 8, 16 (bfloat16) or 32 (float32)");
     TORCH_CHECK(t[3].numel() == H && t[4].numel() == H, name, ": one start and rank per kv-head");
     const int64_t row_bytes = (s.parts - 1) * s.part_stride + ((int64_t)s.part_codes * s.bits + 7) / 8;
     TORCH_CHECK((int64_t)s.part_codes * s.bits <= s.row_stride * 8 && s.parts >= 1, name, ": codes do not fit their rows");

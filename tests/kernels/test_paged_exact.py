@@ -20,11 +20,11 @@ from segments import synthetic_segments
 pytestmark = pytest.mark.skipif(not c_kernel_available(), reason="the CPU decode kernel did not build here")
 
 
-def _paged(heads, page, dk, dv, slots, tokens, seed):
+def _paged(heads, page, dk, dv, slots, tokens, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     capacity = max(slots) + 2
     pool_k, pool_v = torch.randn(capacity, heads, page, dk, generator=g), torch.randn(capacity, heads, page, dv, generator=g)
-    return PagedExact(pool_k, pool_v, torch.tensor(slots, dtype=torch.int32), tokens)
+    return PagedExact(pool_k.to(dtype), pool_v.to(dtype), torch.tensor(slots, dtype=torch.int32), tokens)
 
 
 def _rel(a, b):
@@ -36,11 +36,13 @@ def _rel(a, b):
     (1, 8, 64, 16, [0], 3),  # one partial page; values narrower than keys
     (3, 3, 16, 16, [4, 1, 6, 0, 9, 3], 24),  # full pages only
 ])
-def test_paged_exact_equals_the_tokens_copied_out(heads, group, dk, dv, slots, tokens):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_exact_equals_the_tokens_copied_out(heads, group, dk, dv, slots, tokens, dtype):
+    """float32 pools are read as 32-bit codes, bfloat16 pools as 16-bit ones (no widening copy)."""
     page = 4
-    pages = _paged(heads, page, dk, dv, slots, tokens, seed=tokens)
+    pages = _paged(heads, page, dk, dv, slots, tokens, seed=tokens, dtype=dtype)
     g = torch.Generator().manual_seed(1)
-    new = (torch.randn(heads, 1, dk, generator=g), torch.randn(heads, 1, dv, generator=g))
+    new = (torch.randn(heads, 1, dk, generator=g).to(dtype), torch.randn(heads, 1, dv, generator=g).to(dtype))
     q = torch.randn(2, heads * group, dk, generator=g)
     paged = DecodeSegments(exact=new, exact_pages=pages)
     copied = DecodeSegments(exact=paged.exact_kv())

@@ -69,3 +69,28 @@ def test_incremental_view_equals_a_rebuild(name, seed):
             cache = s.layers["layer0"]
             for other in lengths:
                 _check(cache, other, g)
+
+
+def test_a_bfloat16_pool_is_read_in_place_by_the_kernel():
+    """A bfloat16 session's exact pages go to the CPU kernel in place (16-bit codes, not widened
+    into a copy), and the decode step equals the float64 reference over the same tokens."""
+    from kvtopo.kernels.cpu_decode import c_kernel_available
+    from kvtopo.kernels.decode_reference import reference_decode
+    from kvtopo.kernels.fast_decode import decode_attention
+
+    if not c_kernel_available():
+        pytest.skip("the CPU decode kernel did not build here")
+    g = torch.Generator().manual_seed(0)
+    with kvtopo.session(kvtopo.Config.lossless()) as s:
+        n = 70  # 4 full pages and a partial one
+        q, k, v = (torch.randn(1, h, n, D, generator=g).bfloat16() for h in (HQ, HKV, HKV))
+        s.attend("l", q, k, v, None, SCALE)
+        cache = s.layers["l"]
+        assert cache.pool.keys.dtype == torch.bfloat16
+        k_new, v_new = (torch.randn(HKV, 1, D, generator=g).bfloat16() for _ in range(2))
+        segs = decode_view.decode_segments(cache, 0, k_new, v_new)
+        assert segs.exact_pages is not None and segs.exact_pages.keys.dtype == torch.bfloat16
+        step_q = torch.randn(HQ, D, generator=g)
+        out = decode_attention(step_q, segs, SCALE)
+        ref = reference_decode(step_q, segs, SCALE)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
