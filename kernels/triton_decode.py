@@ -108,6 +108,7 @@ def _store_split(acc, m_i, l_i, o_ptr, lse_ptr, row, g_ok, rcol, WIDTH):
     seen = l_i > 0
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    row = row.to(tl.int64)
     tl.store(o_ptr + row[:, None] * WIDTH + rcol[None, :], out, mask=g_ok[:, None] & (rcol[None, :] < WIDTH))
     tl.store(lse_ptr + row, lse, mask=g_ok)
 
@@ -141,7 +142,7 @@ def _dense_split_kernel(
     rdv = tl.arange(0, DV_PAD)
     rn = tl.arange(0, BLOCK_N)
     # q already scaled, [E, Hkv, ROWS, DK] float32
-    q_row = (e * H + h) * ROWS + rg
+    q_row = ((e * H + h) * ROWS + rg).to(tl.int64)  # a long chunk's rows x width pass 2**31
     q = tl.load(q_ptr + q_row[:, None] * DK + rdk[None, :], mask=g_ok[:, None] & (rdk[None, :] < DK), other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -215,7 +216,7 @@ def _mid_split_kernel(
     v_rank = tl.load(vrank_ptr + e * H + h)
     v_start = tl.load(vstart_ptr + e * H + h)
     # projected, scaled query [E, Hkv, ROWS, RK] and its mean term [E, Hkv, ROWS]
-    q_row = (e * H + h) * ROWS + rg
+    q_row = ((e * H + h) * ROWS + rg).to(tl.int64)  # a long chunk's rows x width pass 2**31
     qp = tl.load(qp_ptr + q_row[:, None] * RK + rk_[None, :], mask=g_ok[:, None] & (rk_[None, :] < RK), other=0.0)
     qb = tl.load(qb_ptr + q_row, mask=g_ok, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
