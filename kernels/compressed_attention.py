@@ -100,10 +100,11 @@ def _capped(logits: Tensor, softcap: float | None) -> Tensor:
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
-# Logits partial_dense holds at once on CPU (float32 elements, 2 MiB). A prefill chunk attending
-# to itself has [Hkv, G*T, T] of them; in blocks of query rows each softmax pass reads them from
-# cache rather than memory (4096-token chunk, 4 query heads: 0.3 s instead of 1.4-2.9 s on one
-# thread). Rows are independent and each block runs the same ops on the same rows: the results
+# Logits partial_dense holds at once on CPU (float32 elements, 2 MiB) where aten's flash
+# attention does not take the partial (a mask, a softcap, unequal head sizes). A prefill chunk
+# attending to itself has [Hkv, G*T, T] of them; in blocks of query rows each softmax pass reads
+# them from cache rather than memory (4096-token chunk, 4 query heads: 0.3 s instead of 1.4-2.9 s
+# on one thread). Rows are independent and each block runs the same ops on the same rows: the results
 # are the same bits (tests/runtime/test_prefill_blocks.py). A GPU takes all rows at once.
 BLOCK_LOGITS = 1 << 19
 
@@ -121,6 +122,8 @@ def partial_dense(
     hq, t, _ = q.shape
     if n == 0:
         return _empty(q, v.shape[-1])
+    if mask is None and _flash_takes(q, k, v, softcap):
+        return _cpu_flash(q, k, v, scale, causal=False)
     qg = group_query_heads(q, kv_heads).view(kv_heads, hq // kv_heads, t, -1)
     keys, values = k.float().transpose(1, 2), v.float()
     rows = max(1, BLOCK_LOGITS // (hq * n)) if q.device.type == "cpu" else t
@@ -130,6 +133,40 @@ def partial_dense(
     blocks = [_dense_block(qg[:, :, r: r + rows], keys, values, scale,
                            mask[..., r: r + rows, :] if per_row_mask else mask, softcap) for r in range(0, t, rows)]
     return torch.cat([out for out, _ in blocks], 1), torch.cat([lse for _, lse in blocks], 1)
+
+
+def partial_causal(q: Tensor, k: Tensor, v: Tensor, scale: float,
+                   softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """A prefill chunk attending to itself: q [Hq, T, d] to its own keys k [Hkv, T, d] and values
+    v [Hkv, T, dv], token t seeing tokens 0..t (``partial_dense`` with the causal mask)."""
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"a chunk's causal attention needs as many keys as queries, got {k.shape[1]} and {q.shape[1]}")
+    if k.shape[1] and _flash_takes(q, k, v, softcap):
+        return _cpu_flash(q, k, v, scale, causal=True)
+    mask = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device).tril()
+    return partial_dense(q, k, v, scale, mask, softcap)
+
+
+def _flash_takes(q: Tensor, k: Tensor, v: Tensor, softcap: float | None) -> bool:
+    """Whether aten's fused CPU flash attention computes this partial: on CPU, uncapped, one
+    head size for queries, keys and values (its requirement)."""
+    return q.device.type == "cpu" and softcap is None and q.shape[-1] == k.shape[-1] == v.shape[-1]
+
+
+def _cpu_flash(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """The partial through aten's CPU flash attention, which also returns the log-sum-exp: blocked
+    over keys with the exponentials vectorized and no logit matrix, 3-4x faster than the
+    blocked softmax below on one thread. Without a mask the G query heads of a kv-head are its
+    rows (keys read once per group); causal rows are per token, so the group's keys are repeated."""
+    kv_heads, hq, t = k.shape[0], q.shape[0], q.shape[1]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if causal:
+        groups = hq // kv_heads
+        out, lse = flash(q.float()[None], k.float().repeat_interleave(groups, 0)[None],
+                         v.float().repeat_interleave(groups, 0)[None], is_causal=True, scale=scale)[:2]
+    else:
+        out, lse = flash(group_query_heads(q, kv_heads)[None], k.float()[None], v.float()[None], scale=scale)[:2]
+    return out.reshape(hq, t, -1), lse.reshape(hq, t)
 
 
 def _dense_block(qg: Tensor, keys: Tensor, values: Tensor, scale: float, mask: Tensor | None,

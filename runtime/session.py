@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtopo.config import Config
-from kvtopo.kernels.compressed_attention import merge_partials, partial_dense, partial_lowrank
+from kvtopo.kernels.compressed_attention import merge_partials, partial_causal, partial_dense, partial_lowrank
 from kvtopo.kernels.history_attention import history_attention
 from kvtopo.kernels.reference import chunk_causal_mask, grouped_attention
 
@@ -270,9 +270,8 @@ class Session:
         coded = stored is not None and not stored.only_exact
         segments = None if coded else cache.segments(seq)
         if coded:
-            causal = chunk_causal_mask(0, q.shape[1], device=q.device)
             history = history_attention(q, stored, scale, softcap)
-            out = merge_partials([history, partial_dense(q, k, v, scale, causal, softcap)]).to(q.dtype)
+            out = merge_partials([history, partial_causal(q, k, v, scale, softcap)]).to(q.dtype)
         elif segments is None or (segments.only_exact and not tracks_mass):
             past = segments.exact if segments is not None else None
             keys = k if past is None else torch.cat([past[0], k], dim=1)
@@ -280,8 +279,7 @@ class Session:
             mask = chunk_causal_mask(keys.shape[1] - k.shape[1], q.shape[1], device=q.device, window=cache.window)
             out = grouped_attention(q[None], keys[None], values[None], mask, scale, softcap=softcap, sinks=sinks)[0]
         else:
-            causal = chunk_causal_mask(0, q.shape[1], device=q.device)
-            parts = _history_partials(q, segments, scale, softcap) + [partial_dense(q, k, v, scale, causal, softcap)]
+            parts = _history_partials(q, segments, scale, softcap) + [partial_causal(q, k, v, scale, softcap)]
             if sinks is not None:  # one more logit per head with no value: output 0, lse = the sink
                 parts.append((q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32),
                               sinks.float()[:, None].expand(q.shape[0], q.shape[1])))

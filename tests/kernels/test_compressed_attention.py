@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvtopo.kernels.compressed_attention import (
     LowRankHeads,
     merge_partials,
+    partial_causal,
     partial_dense,
     partial_lowrank,
     stack_heads,
@@ -144,6 +145,24 @@ def test_dense_with_causal_chunk_mask(groups):
     mask[:, past:] = torch.ones(t, t, dtype=torch.bool).tril()
     assert_matches(partial_dense(q, k, v, 0.3, mask), reference(q, k, v, 0.3, mask))
     assert_matches(partial_dense(q, k, v, 0.3), reference(q, k, v, 0.3))
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("dv", [D, DV])  # equal head sizes: aten's CPU flash attention; else the blocked softmax
+@pytest.mark.parametrize("t", [1, 37])
+def test_causal_chunk_and_unmasked_history_against_float64(groups, dv, t):
+    """partial_causal (a chunk over itself) and unmasked partial_dense (a chunk over history),
+    through whichever CPU path takes them, against float64."""
+    g = torch.Generator().manual_seed(groups * t + dv)
+    kv_heads = 2
+    q = torch.randn(kv_heads * groups, t, D, generator=g) * 2
+    k, v = torch.randn(kv_heads, t, D, generator=g) * 2, torch.randn(kv_heads, t, dv, generator=g)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    assert_matches(partial_causal(q, k, v, 0.3), reference(q, k, v, 0.3, causal))
+    history_k, history_v = torch.randn(kv_heads, 50, D, generator=g), torch.randn(kv_heads, 50, dv, generator=g)
+    assert_matches(partial_dense(q, history_k, history_v, 0.3), reference(q, history_k, history_v, 0.3))
+    with pytest.raises(ValueError, match="as many keys as queries"):
+        partial_causal(q, history_k, history_v, 0.3)
 
 
 def test_empty_segments_give_minus_inf_and_zeros():
