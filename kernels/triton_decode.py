@@ -332,7 +332,8 @@ def _dense_rows(qs: Tensor, entries: list[int], kv: tuple[Tensor, Tensor] | None
         ks = ko = vs = vo = k  # unused
         page, bits = 1, 8
     rows = qs.shape[2]
-    q = qs if len(entries) == qs.shape[0] else qs[torch.tensor(entries, device=device)].contiguous()
+    index = torch.tensor(entries, device=device)
+    q = qs if len(entries) == qs.shape[0] else qs[index].contiguous()
     starts = _table([0, *itertools.accumulate(tokens)], torch.int32, device)
     run, splits, per, block_m, block = _launch(_dense_split_kernel, device, k.shape[0], len(entries), rows, max(tokens))
     o = _scratch(len(entries), k.shape[0], splits, rows, dv, device=device)
@@ -343,7 +344,7 @@ def _dense_rows(qs: Tensor, entries: list[int], kv: tuple[Tensor, Tensor] | None
         ks.stride(0), ks.stride(1) if ks.dim() > 1 else 0, vs.stride(0),
         rows, DK=dk, DV=dv, BLOCK_M=block_m, DK_PAD=_pow2(dk), DV_PAD=_pow2(dv),
         BLOCK_N=block, QUANT=recent is not None, BITS=bits, CAPPED=softcap is not None)
-    return _as_rows(o, lse, torch.tensor(entries, device=device))
+    return _as_rows(o, lse, index)
 
 
 def _mid_rows(q: Tensor, qs: Tensor, entries: list[int], mids: list[MidCodes], scale: float,

@@ -267,13 +267,12 @@ class Session:
         (``history_attention``) where the kernels can, else decoded for the torch reference."""
         tracks_mass = cache.policy.tracks_attention_mass
         stored = decode_segments(cache, seq) if self._history_as_stored(cache, seq, sinks) else None
-        coded = stored is not None and not stored.only_exact
-        segments = None if coded else cache.segments(seq)
-        if coded:
+        segments = cache.segments(seq) if stored is None else None  # the decoded history, for the torch reference
+        if stored is not None and not stored.only_exact:
             history = history_attention(q, stored, scale, softcap)
             out = merge_partials([history, partial_causal(q, k, v, scale, softcap)]).to(q.dtype)
-        elif segments is None or (segments.only_exact and not tracks_mass):
-            past = segments.exact if segments is not None else None
+        elif stored is not None or segments is None or (segments.only_exact and not tracks_mass):
+            past = stored.exact_kv() if stored is not None else segments.exact if segments is not None else None
             keys = k if past is None else torch.cat([past[0], k], dim=1)
             values = v if past is None else torch.cat([past[1], v], dim=1)
             mask = chunk_causal_mask(keys.shape[1] - k.shape[1], q.shape[1], device=q.device, window=cache.window)
