@@ -214,16 +214,19 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
         for (int n = n0; n < n1; ++n) {
             if (sg.row_stat[n] != cur) {
                 cur = sg.row_stat[n];
-                for (int hg = 0; hg < HG; ++hg) {
-                    int h = hg / G, rk = k.ranks[h];
-                    const float *sc = k.scale + k.page_stat(cur, h), *of = k.offset + k.page_stat(cur, h);
-                    const float *q = sg.qp + (size_t)hg * sg.RK;
-                    float b = sg.qb[hg];
-                    for (int r = 0; r < rk; ++r) {
-                        qs[(size_t)hg * RKp + r] = q[r] * sc[r];
-                        b += q[r] * of[r];
+                for (int h = 0; h < H; ++h) {
+                    const int rk = k.ranks[h];
+                    const int64_t at = k.page_stat(cur, h);
+                    const float *sc = k.scale + at, *of = k.offset + at;
+                    for (int hg = h * G; hg < (h + 1) * G; ++hg) {
+                        const float *q = sg.qp + (size_t)hg * sg.RK;
+                        float *qsh = qs.data() + (size_t)hg * RKp, b = sg.qb[hg];
+                        for (int r = 0; r < rk; ++r) {
+                            qsh[r] = q[r] * sc[r];
+                            b += q[r] * of[r];
+                        }
+                        bias[hg] = b;
                     }
-                    bias[hg] = b;
                 }
             }
             float *u = U.data();
@@ -245,17 +248,20 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
         for (int n = n0; n <= n1;) {
             int st = n < n1 ? sg.row_stat[n] : -1;
             if (st != cur) {  // flush the page's sums (through its statistics when per page)
-                for (int hg = 0; hg < HG; ++hg) {
-                    int h = hg / G, rv = v.ranks[h];
-                    float *a = A.data() + (size_t)hg * RVp, *o = coef + (size_t)hg * sg.RV, pp = P[hg];
-                    if (v.per_row) {
-                        for (int r = 0; r < rv; ++r) o[r] += a[r] + pp;
-                    } else {
-                        const float *sc = v.scale + v.page_stat(cur, h), *of = v.offset + v.page_stat(cur, h);
-                        for (int r = 0; r < rv; ++r) o[r] += sc[r] * a[r] + of[r] * pp;
+                for (int h = 0; h < H; ++h) {
+                    const int rv = v.ranks[h];
+                    const int64_t at = v.per_row ? 0 : v.page_stat(cur, h);
+                    const float *sc = v.scale + at, *of = v.offset + at;
+                    for (int hg = h * G; hg < (h + 1) * G; ++hg) {
+                        float *a = A.data() + (size_t)hg * RVp, *o = coef + (size_t)hg * sg.RV, pp = P[hg];
+                        if (v.per_row) {
+                            for (int r = 0; r < rv; ++r) o[r] += a[r] + pp;
+                        } else {
+                            for (int r = 0; r < rv; ++r) o[r] += sc[r] * a[r] + of[r] * pp;
+                        }
+                        memset(a, 0, sizeof(float) * RVp);
+                        P[hg] = 0.f;
                     }
-                    memset(a, 0, sizeof(float) * RVp);
-                    P[hg] = 0.f;
                 }
                 cur = st;
             }
@@ -267,11 +273,13 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
                 for (int j = 0; j < HGp; ++j) w[i * HGp + j] = expf(lg[i * HGp + j] - m[j]);
             for (int i = 0; i < nb; ++i) {
                 for (int j = 0; j < HG; ++j) l[j] += w[i * HGp + j];
-                if (v.per_row) {
-                    for (int j = 0; j < HG; ++j) {
-                        int64_t at = (n + i) * v.stat_a + (j / G) * v.stat_b;
-                        P[j] += w[i * HGp + j] * v.offset[at];
-                        w[i * HGp + j] *= v.scale[at];
+                if (v.per_row) {  // the row's statistics of each kv-head, folded into its heads' weights
+                    for (int h = 0; h < H; ++h) {
+                        const int64_t at = (n + i) * v.stat_a + h * v.stat_b;
+                        for (int j = h * G; j < (h + 1) * G; ++j) {
+                            P[j] += w[i * HGp + j] * v.offset[at];
+                            w[i * HGp + j] *= v.scale[at];
+                        }
                     }
                 } else {
                     for (int j = 0; j < HG; ++j) P[j] += w[i * HGp + j];
