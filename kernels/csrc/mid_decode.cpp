@@ -67,12 +67,14 @@ static v8f dots8(const float *q, int stride, const float *u, const int *off, int
 }
 
 typedef v8f (*Dots)(const float *, int, const float *, const int *, int);
+namespace {  // internal linkage: never bound to the table of another build of this file in the process
 template <int G>
 struct DotsTable {  // [NC] for NC = 0..16 (up to 128 columns per head), [17] any NC
     static constexpr Dots at[18] = {dots8<0, G>, dots8<1, G>, dots8<2, G>, dots8<3, G>, dots8<4, G>, dots8<5, G>,
                                     dots8<6, G>, dots8<7, G>, dots8<8, G>, dots8<9, G>, dots8<10, G>, dots8<11, G>,
                                     dots8<12, G>, dots8<13, G>, dots8<14, G>, dots8<15, G>, dots8<16, G>, dots8<0, G>};
 };
+}  // namespace
 
 /* The dot routine for a block of NC chunks and group size G (kv-heads start at multiples of G). */
 static Dots pick_dots(int G, int nc) {
