@@ -52,10 +52,15 @@ grown to each length in turn; one decode step of all B timed as
   <config>_singles    B calls of `decode_view.attend_cache`, one per sequence (batch 1, B times);
   <config>_one        that call for sequence 0 alone (batch 1);
   copy                `dst.copy_(src)` of a 256 MiB float32 buffer: the memory bandwidth this run
-                      sees (bytes of src per second), interleaved with the methods.
+                      sees (bytes of src per second), interleaved with the methods;
+  sgemm               a 1024 x 1024 float32 matrix product (`torch.mm`): the arithmetic rate this
+                      run sees on the same threads, interleaved with the methods.
 
 "bytes" is what a step reads (the sum of DecodeSegments.nbytes; dense: its K/V); GB/s divide it
-by the minimum wall time and are set against the copy's. os.getloadavg() is recorded before and
+by the minimum wall time and are set against the copy's. "flops" is the arithmetic a step cannot
+skip (`step_flops`: a multiply and an add per query head, stored token and key or value column
+attended); the step's two floors are bytes at the copy's rate and flops at the sgemm's rate, and
+each row reports its minimum time over the larger floor. os.getloadavg() is recorded before and
 after each length. Writes bench/results/decode_speed_batch.json.
 """
 
@@ -94,6 +99,7 @@ QUICK = [1024, 2048, 4096]
 BATCH_LENGTHS = [4096, 32768]
 BATCH_CONFIGS = ["default", "8x"]
 COPY_FLOATS = 64 << 20  # 256 MiB: far beyond the caches
+SGEMM_SIZE = 1024
 
 
 def structured_kv(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,6 +119,23 @@ def structured_kv(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return x
 
     return side(), side()
+
+
+def step_flops(segs, q_heads: int) -> int:
+    """Multiplies and adds (2 per column) one decode step needs over a sequence's segments: every
+    query head against every stored token's key and value columns (a Mid row: its kv-head's key
+    and value ranks; exact and Recent tokens: dk + dv). Per-page statistics, bases and merges
+    are left out: they are not per token."""
+    exact = segs.exact_kv()
+    columns = 0
+    if exact is not None:
+        columns += exact[0].shape[1] * (exact[0].shape[2] + exact[1].shape[2]) * exact[0].shape[0]
+    if segs.recent is not None:
+        columns += segs.recent.tokens * (segs.recent.dk + segs.recent.dv) * segs.recent.k_codes.shape[0]
+    for mid in ([segs.mid] if segs.mid is not None else []) + [m for m in segs.retired if hasattr(m, "k_ranks")]:
+        columns += mid.tokens * int(mid.k_ranks.sum() + mid.v_ranks.sum())
+    kv_heads = (exact[0] if exact is not None else segs.recent.k_codes).shape[0]
+    return 2 * columns * (q_heads // kv_heads)
 
 
 def timed(fn) -> tuple[float, float]:
@@ -261,6 +284,7 @@ def batch_main(args) -> None:
     q = torch.randn(n, HQ, 1, D) * 0.3
     qg = q.reshape(n, HKV, HQ // HKV, D)
     src, dst = torch.randn(COPY_FLOATS), torch.empty(COPY_FLOATS)
+    mat_a, mat_b = torch.randn(SGEMM_SIZE, SGEMM_SIZE), torch.randn(SGEMM_SIZE, SGEMM_SIZE)
     sessions = {name: kvtopo.session(CONFIGS[name]) for name in names}
     rows, held = [], 0
     for s in sessions.values():
@@ -277,10 +301,13 @@ def batch_main(args) -> None:
                 "dense_fp32": lambda: F.scaled_dot_product_attention(qg, dense, dense_v, scale=SCALE),
                 "dense_fp32_one": lambda: F.scaled_dot_product_attention(qg[:1], dense[:1], dense_v[:1], scale=SCALE),
                 "copy": lambda: dst.copy_(src),
+                "sgemm": lambda: torch.mm(mat_a, mat_b),
             }
-            row["dense_fp32"] = {"bytes": dense.nbytes + dense_v.nbytes}
-            row["dense_fp32_one"] = {"bytes": row["dense_fp32"]["bytes"] // n}
+            dense_flops = 2 * n * HQ * (length + 1) * 2 * D
+            row["dense_fp32"] = {"bytes": dense.nbytes + dense_v.nbytes, "flops": dense_flops}
+            row["dense_fp32_one"] = {"bytes": row["dense_fp32"]["bytes"] // n, "flops": dense_flops // n}
             row["copy"] = {"bytes": src.nbytes}
+            row["sgemm"] = {"bytes": 3 * mat_a.nbytes, "flops": 2 * SGEMM_SIZE**3}
             for name, s in sessions.items():
                 build = time.perf_counter()
                 for b in range(n):
@@ -300,9 +327,10 @@ def batch_main(args) -> None:
                         rel_err(batched[b, :, 0], reference_decode(q[b, :, 0], segs[b], SCALE)) for b in seqs),
                     "build_s": time.perf_counter() - build,
                 }
-                row[f"{name}_batched"] = {"bytes": row[name]["bytes"]}
-                row[f"{name}_singles"] = {"bytes": row[name]["bytes"]}
-                row[f"{name}_one"] = {"bytes": segs[0].nbytes}
+                flops = [step_flops(x, HQ) for x in segs]
+                row[f"{name}_batched"] = {"bytes": row[name]["bytes"], "flops": sum(flops)}
+                row[f"{name}_singles"] = {"bytes": row[name]["bytes"], "flops": sum(flops)}
+                row[f"{name}_one"] = {"bytes": segs[0].nbytes, "flops": flops[0]}
                 methods[f"{name}_batched"] = lambda c=cache: decode_view.attend_cache_batch(c, seqs, q, k_new, v_new, SCALE)
                 methods[f"{name}_singles"] = lambda c=cache: [
                     decode_view.attend_cache(c, b, q[b], k_new[b], v_new[b], SCALE) for b in seqs]
@@ -312,9 +340,14 @@ def batch_main(args) -> None:
             for entry in row.values():
                 if isinstance(entry, dict) and "min_ms" in entry:
                     entry["GBps_at_min"] = entry["bytes"] / entry["min_ms"] / 1e6
+            sgemm_flops_per_ms = row["sgemm"]["flops"] / row["sgemm"]["min_ms"]
             for entry in row.values():
                 if isinstance(entry, dict) and "GBps_at_min" in entry:
                     entry["fraction_of_copy_GBps"] = entry["GBps_at_min"] / row["copy"]["GBps_at_min"]
+                if isinstance(entry, dict) and "flops" in entry and "min_ms" in entry:
+                    entry["floor_ms"] = {"bandwidth": entry["bytes"] / row["copy"]["GBps_at_min"] / 1e6,
+                                         "arithmetic": entry["flops"] / sgemm_flops_per_ms}
+                    entry["min_over_floor"] = entry["min_ms"] / max(entry["floor_ms"].values())
             row["load_after"] = os.getloadavg()
             rows.append(row)
             print(format_batch_row(row, names), flush=True)
@@ -374,14 +407,19 @@ def batch_summary(row: dict, name: str) -> dict:
         "one_fraction_of_copy_GBps": row[f"{name}_one"]["fraction_of_copy_GBps"],
         "singles_fraction_of_copy_GBps": row[f"{name}_singles"]["fraction_of_copy_GBps"],
         "dense_fp32_fraction_of_copy_GBps": row["dense_fp32"]["fraction_of_copy_GBps"],
+        "one_floor_ms": row[f"{name}_one"]["floor_ms"],
+        "one_min_over_floor": row[f"{name}_one"]["min_over_floor"],
+        "batched_min_over_floor": batched["min_over_floor"],
     }
 
 
 def format_batch_row(row: dict, names: list[str]) -> str:
     parts = [f"{row['tokens']:>6} tok, load {row['load_before'][0]:.1f}->{row['load_after'][0]:.1f}"]
+    parts.append(f"sgemm {row['sgemm']['flops'] / row['sgemm']['min_ms'] / 1e6:.1f} GFLOP/s")
     for m in ("copy", "dense_fp32", "dense_fp32_one", *(f"{n}_{k}" for n in names for k in ("batched", "singles", "one"))):
         e = row[m]
-        parts.append(f"{m} {e['min_ms']:7.2f} ms min ({e['GBps_at_min']:5.2f} GB/s)")
+        floor = f", {e['min_over_floor']:.2f}x floor" if "min_over_floor" in e else ""
+        parts.append(f"{m} {e['min_ms']:7.2f} ms min ({e['GBps_at_min']:5.2f} GB/s{floor})")
     return " | ".join(parts)
 
 
