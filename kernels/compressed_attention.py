@@ -222,11 +222,8 @@ def merge_partials_lse(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, 
     if not parts:
         raise ValueError("merge_partials needs at least one segment")
     lse = torch.stack([part_lse for _, part_lse in parts])  # [S, Hq, T]
-    m = lse.amax(0)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    weights = torch.exp(lse - m)  # -inf -> 0: empty segments weigh nothing
-    total = weights.sum(0)
-    out = sum(w.unsqueeze(-1) * part_out for w, (part_out, _) in zip(weights, parts))
-    seen = total > 0
-    merged_lse = torch.where(seen, m + torch.log(torch.where(seen, total, torch.ones_like(total))), -float("inf"))
-    return out / torch.where(seen, total, torch.ones_like(total)).unsqueeze(-1), merged_lse
+    merged_lse = torch.logsumexp(lse, 0)  # -inf where no segment sees the row
+    # Each segment's share exp(lse_s - merged); -inf (empty) segments and unseen rows weigh 0.
+    weights = torch.exp(lse - torch.where(torch.isfinite(merged_lse), merged_lse, 0.0))
+    outs = torch.stack([part_out for part_out, _ in parts])  # [S, Hq, T, dv]
+    return (weights.unsqueeze(-1) * outs).sum(0), merged_lse

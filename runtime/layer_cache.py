@@ -232,9 +232,14 @@ class LayerCache(Lifecycle):
             return
         self._pool_for(key[rows[0]], value[rows[0]])  # checks shapes and dtype against the layer's pool
         # After the appends above: a pool that grew holds new tensors.
-        slot, offset = torch.tensor(slots), torch.tensor(offsets)
-        self.pool.keys[slot, :, offset] = key[rows, :, 0]
-        self.pool.values[slot, :, offset] = value[rows, :, 0]
+        if len(rows) == 1:  # one sequence: a plain slice, no index tensors
+            slot, offset, row = slots[0], offsets[0], rows[0]
+            self.pool.keys[slot, :, offset] = key[row, :, 0]
+            self.pool.values[slot, :, offset] = value[row, :, 0]
+        else:
+            slot, offset = torch.tensor(slots), torch.tensor(offsets)
+            self.pool.keys[slot, :, offset] = key[rows, :, 0]
+            self.pool.values[slot, :, offset] = value[rows, :, 0]
         for entry in entries:
             entry.pages[-1].tokens += 1
             entry.length += 1

@@ -59,6 +59,8 @@ class Session:
         self._layer_shapes: dict[str, tuple[int, int, int]] = {}
         self._batch: int | None = None
         self._step_valid: torch.Tensor | None = None
+        self._step_full: list[int] | None = None  # the step's rows without padding
+        self._step_masks: dict | None = None  # masks checked during the step (see `_check_masks`)
         self._token = None
         self._models: dict[int, tuple[weakref.ref, str]] = {}  # id(model key) -> (its ref, name)
         self.calls = 0
@@ -91,10 +93,12 @@ class Session:
         if valid.dtype != torch.bool or valid.dim() != 2:
             raise ValueError(f"step validity must be a [batch, tokens] bool tensor, got {valid.dtype} {tuple(valid.shape)}")
         self._step_valid = valid
+        self._step_full = [b for b, row in enumerate(valid.all(1).tolist()) if row]
+        self._step_masks = {}
         try:
             yield
         finally:
-            self._step_valid = None
+            self._step_valid = self._step_full = self._step_masks = None
 
     # -- the op's entry point -------------------------------------------------------------------
     def attend(self, layer: str, query, key, value, attn_mask, scale: float, *, is_causal: bool = True,
@@ -131,15 +135,14 @@ class Session:
                              f"not one per query head ({query.shape[1]})")
         if valid is not None and tuple(valid.shape) != (batch, chunk):
             raise ValueError(f"step validity has shape {tuple(valid.shape)}, the call has (batch, tokens)=({batch}, {chunk})")
-        _check_pure_mask(layer, attn_mask)
-        _check_chunk_mask(layer, attn_mask, is_causal, window, valid, batch, chunk)
+        self._check_masks(layer, attn_mask, is_causal, window, valid, batch, chunk)
         if model_key is not None:
             layer = f"{self.model_name(model_key)}/{layer}"
         cache = self._layer_cache(layer, scale, shared_value_dim, window)
         if shared_value_dim:
             value = key[..., :shared_value_dim]
 
-        full = [b for b in range(batch) if valid is None or bool(valid[b].all())]
+        full = self._step_full if valid is not None else list(range(batch))
         if len(full) == batch:
             return self._attend_rows(cache, full, query, key, value, scale, softcap, sinks)
         out = query.new_zeros(*query.shape[:-1], value.shape[-1])
@@ -150,6 +153,20 @@ class Session:
             one = slice(b, b + 1), slice(None), rows
             out[b, :, rows] = self._attend_rows(cache, [b], query[one], key[one], value[one], scale, softcap, sinks)[0]
         return out
+
+    def _check_masks(self, layer: str, attn_mask, is_causal: bool, window: int | None, valid, batch: int,
+                     chunk: int) -> None:
+        """`_check_pure_mask` and `_check_chunk_mask`. Within a step the layers of a model pass the
+        same mask tensor, so one that passed is not checked again during the step (unless it was
+        written to since, or the site asks for other masking)."""
+        key = (id(attn_mask), is_causal, window)
+        passed = self._step_masks.get(key) if self._step_masks is not None and attn_mask is not None else None
+        if passed is not None and passed[0] is attn_mask and passed[1] == attn_mask._version:
+            return
+        _check_pure_mask(layer, attn_mask)
+        _check_chunk_mask(layer, attn_mask, is_causal, window, valid, batch, chunk)
+        if self._step_masks is not None and attn_mask is not None:
+            self._step_masks[key] = (attn_mask, attn_mask._version)
 
     def attend_sequence(self, layer: str, seq: int, query, key, value, scale: float, *,
                         softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
