@@ -60,7 +60,6 @@ class Session:
         self._batch: int | None = None
         self._step_valid: torch.Tensor | None = None
         self._step_full: list[int] | None = None  # the step's rows without padding
-        self._step_masks: dict | None = None  # masks checked during the step (see `_check_masks`)
         self._token = None
         self._models: dict[int, tuple[weakref.ref, str]] = {}  # id(model key) -> (its ref, name)
         self.calls = 0
@@ -94,11 +93,10 @@ class Session:
             raise ValueError(f"step validity must be a [batch, tokens] bool tensor, got {valid.dtype} {tuple(valid.shape)}")
         self._step_valid = valid
         self._step_full = [b for b, row in enumerate(valid.all(1).tolist()) if row]
-        self._step_masks = {}
         try:
             yield
         finally:
-            self._step_valid = self._step_full = self._step_masks = None
+            self._step_valid = self._step_full = None
 
     # -- the op's entry point -------------------------------------------------------------------
     def attend(self, layer: str, query, key, value, attn_mask, scale: float, *, is_causal: bool = True,
@@ -135,7 +133,8 @@ class Session:
                              f"not one per query head ({query.shape[1]})")
         if valid is not None and tuple(valid.shape) != (batch, chunk):
             raise ValueError(f"step validity has shape {tuple(valid.shape)}, the call has (batch, tokens)=({batch}, {chunk})")
-        self._check_masks(layer, attn_mask, is_causal, window, valid, batch, chunk)
+        _check_pure_mask(layer, attn_mask)
+        _check_chunk_mask(layer, attn_mask, is_causal, window, valid, batch, chunk)
         if model_key is not None:
             layer = f"{self.model_name(model_key)}/{layer}"
         cache = self._layer_cache(layer, scale, shared_value_dim, window)
@@ -153,20 +152,6 @@ class Session:
             one = slice(b, b + 1), slice(None), rows
             out[b, :, rows] = self._attend_rows(cache, [b], query[one], key[one], value[one], scale, softcap, sinks)[0]
         return out
-
-    def _check_masks(self, layer: str, attn_mask, is_causal: bool, window: int | None, valid, batch: int,
-                     chunk: int) -> None:
-        """`_check_pure_mask` and `_check_chunk_mask`. Within a step the layers of a model pass the
-        same mask tensor, so one that passed is not checked again during the step (unless it was
-        written to since, or the site asks for other masking)."""
-        key = (id(attn_mask), is_causal, window)
-        passed = self._step_masks.get(key) if self._step_masks is not None and attn_mask is not None else None
-        if passed is not None and passed[0] is attn_mask and passed[1] == attn_mask._version:
-            return
-        _check_pure_mask(layer, attn_mask)
-        _check_chunk_mask(layer, attn_mask, is_causal, window, valid, batch, chunk)
-        if self._step_masks is not None and attn_mask is not None:
-            self._step_masks[key] = (attn_mask, attn_mask._version)
 
     def attend_sequence(self, layer: str, seq: int, query, key, value, scale: float, *,
                         softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -396,6 +381,8 @@ def _check_chunk_mask(layer: str, attn_mask, is_causal: bool, window: int | None
         raise ValueError(f"attention site {layer!r} has a mask of shape {tuple(attn_mask.shape)} but the call has "
                          f"{chunk} new tokens: a session can only honour a [..., {chunk}, {chunk}] mask over the chunk")
     shown = attn_mask if attn_mask.dtype == torch.bool else attn_mask > -1e4
+    if chunk == 1 and bool(shown.all()):  # a decode step's mask showing its one key: what the session applies
+        return
     shown = shown.reshape((1,) * (4 - shown.dim()) + tuple(shown.shape)).expand(batch, -1, chunk, chunk)
     expected = chunk_causal_mask(0, chunk, device=shown.device, window=window)
     if is_causal:

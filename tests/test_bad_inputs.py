@@ -282,19 +282,17 @@ def test_export_cli_refuses_max_context_0(tmp_path, capsys):
 
 
 
-# -- masks within a step ---------------------------------------------------------------------------
-def test_a_mask_that_passed_in_a_step_is_checked_again_once_written_to_or_replaced():
-    """Layers of one forward share their mask tensor, so the session checks it once per step;
-    a mask written in place, or another tensor, is checked again and refused."""
+# -- decode-step masks -----------------------------------------------------------------------------
+def test_a_decode_step_mask_that_hides_the_new_token_is_refused():
+    """A one-token chunk's mask passes at a glance when it shows the token, and is refused with
+    the general message when it hides it."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
-    causal = torch.ones(4, 4, dtype=torch.bool).tril()
-    with kvtopo.session(kvtopo.Config.lossless()) as s, s.step(torch.ones(1, 4, dtype=torch.bool)):
-        s.attend("a", q, k, v, causal, 0.35, is_causal=False)
-        s.attend("b", q, k, v, causal, 0.35, is_causal=False)  # the same tensor: passes
-        causal.fill_(True)  # now bidirectional
-        with pytest.raises(ValueError, match="shows key 1 for query 0"):
-            s.attend("c", q, k, v, causal, 0.35, is_causal=False)
-        with pytest.raises(ValueError, match="shows key 1 for query 0"):
-            s.attend("d", q, k, v, torch.ones(4, 4, dtype=torch.bool), 0.35, is_causal=False)
+    q, k, v = (torch.randn(1, 2, 1, 8, generator=g) for _ in range(3))
+    with kvtopo.session(kvtopo.Config.lossless()) as s, s.step(torch.ones(1, 1, dtype=torch.bool)):
+        s.attend("a", q, k, v, torch.ones(1, 1, dtype=torch.bool), 0.35, is_causal=False)
+        s.attend("b", q, k, v, torch.zeros(1, 1, 1, 1), 0.35, is_causal=False)  # additive 0: shown
+        with pytest.raises(ValueError, match="hides key 0 for query 0"):
+            s.attend("c", q, k, v, torch.zeros(1, 1, dtype=torch.bool), 0.35, is_causal=False)
+        with pytest.raises(ValueError, match="hides key 0 for query 0"):
+            s.attend("d", q, k, v, torch.full((1, 1, 1, 1), -float("inf")), 0.35, is_causal=False)
         assert set(s.layers) == {"a", "b"}  # the refused calls stored nothing
