@@ -233,13 +233,11 @@ class LayerCache(Lifecycle):
         self._pool_for(key[rows[0]], value[rows[0]])  # checks shapes and dtype against the layer's pool
         # After the appends above: a pool that grew holds new tensors.
         if len(rows) == 1:  # one sequence: a plain slice, no index tensors
-            slot, offset, row = slots[0], offsets[0], rows[0]
-            self.pool.keys[slot, :, offset] = key[row, :, 0]
-            self.pool.values[slot, :, offset] = value[row, :, 0]
+            (slot,), (offset,), (row,) = slots, offsets, rows
         else:
-            slot, offset = torch.tensor(slots), torch.tensor(offsets)
-            self.pool.keys[slot, :, offset] = key[rows, :, 0]
-            self.pool.values[slot, :, offset] = value[rows, :, 0]
+            slot, offset, row = torch.tensor(slots), torch.tensor(offsets), rows
+        self.pool.keys[slot, :, offset] = key[row, :, 0]
+        self.pool.values[slot, :, offset] = value[row, :, 0]
         for entry in entries:
             entry.pages[-1].tokens += 1
             entry.length += 1
