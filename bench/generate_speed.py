@@ -17,7 +17,9 @@ come from the same call. Each figure is the best of the reps. Reported per mode 
 so the longest prompt's), and agreement of the greedy tokens with the lossless session's (which
 equal a no-cache recomputation with the uncompiled model; at these lengths HF generate's own tokens
 drift from that recomputation, so they are no reference). The machine's load before and after is
-recorded: ratios within one run are the figures, not absolute times.
+recorded: ratios within one run are the figures, not absolute times. `--breakdown` also splits
+kvtopo's mean decode step into the session's attention op, the C kernel inside it and the rest of
+the model (wrapping both adds two clock reads per layer).
 """
 
 from __future__ import annotations
@@ -69,6 +71,45 @@ class _StampLogits:
         return scores
 
 
+class _DecodeClock:
+    """`--breakdown`: seconds spent in decode steps (one-token calls) inside the session's
+    attention op (`Session.attend`: the store's bookkeeping, the kernel's arguments, the merge)
+    and, within it, inside the C decode kernel; the rest of a step is the model's other layers."""
+
+    def __init__(self):
+        from kvtopo.kernels import cpu_decode
+        from kvtopo.runtime.session import Session
+
+        self.attend = self.kernel = 0.0
+        self.calls = 0
+        inside, clock = [False], self
+        attend = Session.attend
+
+        def timed_attend(session, layer, query, *args, **kwargs):
+            if query.shape[2] != 1:
+                return attend(session, layer, query, *args, **kwargs)
+            start, inside[0] = time.perf_counter(), True
+            try:
+                return attend(session, layer, query, *args, **kwargs)
+            finally:
+                inside[0] = False
+                clock.attend += time.perf_counter() - start
+                clock.calls += 1
+
+        kernel = cpu_decode.mid_kernel()
+
+        class TimedKernel:
+            def decode_segments(self, *args):
+                start = time.perf_counter()
+                kernel.decode_segments(*args)
+                if inside[0]:
+                    clock.kernel += time.perf_counter() - start
+
+        Session.attend = timed_attend
+        if kernel is not None:
+            cpu_decode.mid_kernel = TimedKernel
+
+
 def build_model(name: str, positions: int, dtype: str):
     """The model to time: a zoo model sized for `positions`, or SmolLM2 in `dtype`."""
     import torch
@@ -85,7 +126,7 @@ def build_model(name: str, positions: int, dtype: str):
 
 
 def run_mode(mode: str, model_name: str, prompts: list[int], new: int, reps: int, dtype: str,
-             warmup: int | None) -> list[dict]:
+             warmup: int | None, breakdown: bool = False) -> list[dict]:
     import torch
     from transformers import LogitsProcessorList
 
@@ -96,6 +137,7 @@ def run_mode(mode: str, model_name: str, prompts: list[int], new: int, reps: int
     if mode != "hf":
         kvtopo.compile(model, inductor=False)
     config = kvtopo.Config() if mode == "kvtopo" else kvtopo.Config.lossless()
+    clock = _DecodeClock() if breakdown and mode != "hf" else None
 
     def run(ids):
         """(generated ids, KV bytes held, seconds to the first token, seconds of the decode steps)."""
@@ -127,6 +169,8 @@ def run_mode(mode: str, model_name: str, prompts: list[int], new: int, reps: int
         if not warmup:
             run(ids)  # warm-up at this length: compiles its shapes, allocates
         timed = []
+        if clock is not None:
+            clock.attend = clock.kernel = 0.0
         for _ in range(reps):
             start = time.perf_counter()
             out, kv_bytes, first, decode = run(ids)
@@ -137,6 +181,11 @@ def run_mode(mode: str, model_name: str, prompts: list[int], new: int, reps: int
         rows.append({"mode": mode, "prompt": prompt, "new": new, "total_s": total, "first_token_s": first,
                      "decode_s": decode, "tokens_per_s": new / total, "decode_tokens_per_s": (new - 1) / decode,
                      "kv_bytes": kv_bytes, "tokens": out[0, prompt:].tolist()})
+        if clock is not None:  # means over the reps' decode steps (the figures above are bests)
+            steps = reps * (new - 1)
+            rows[-1]["breakdown_ms_per_step"] = dict(
+                step=1e3 * sum(d for _, _, d in timed) / steps, attention_op=1e3 * clock.attend / steps,
+                c_kernel=1e3 * clock.kernel / steps)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     for row in rows:
         row["peak_rss_mb"] = rss
@@ -154,12 +203,15 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                    help="modes to run, in this order (hf, the baseline, always runs; without lossless there is no agreement)")
     p.add_argument("--warmup", type=int, help="one warm-up call of this many tokens instead of one per length")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time, per decode step, kvtopo's attention op and the C kernel inside it")
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.new < 2:
         p.error("--new must be >= 2 (the decode rate is measured beyond the first token)")
     if args.mode:
-        print(json.dumps(run_mode(args.mode, args.model, args.prompts, args.new, args.reps, args.dtype, args.warmup)))
+        print(json.dumps(run_mode(args.mode, args.model, args.prompts, args.new, args.reps, args.dtype, args.warmup,
+                                  args.breakdown)))
         return
     load_before = os.getloadavg()
     modes = list(dict.fromkeys(args.modes if "hf" in args.modes else ["hf", *args.modes]))  # run in this order
@@ -168,7 +220,8 @@ def main() -> None:
         print(f"running {mode} at {args.prompts} ...", flush=True)
         done = subprocess.run([sys.executable, __file__, "--mode", mode, "--model", args.model, "--prompts", *map(str, args.prompts),
                                "--new", str(args.new), "--reps", str(args.reps), "--dtype", args.dtype,
-                               *(["--warmup", str(args.warmup)] if args.warmup else [])],
+                               *(["--warmup", str(args.warmup)] if args.warmup else []),
+                               *(["--breakdown"] if args.breakdown else [])],
                               capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"{mode} failed:\n{done.stderr[-3000:]}")
@@ -188,6 +241,10 @@ def main() -> None:
             print(f"{prompt:7d} {mode:9} {r['total_s']:8.2f} {r['tokens_per_s_vs_hf']:11.2f} "
                   f"{r['decode_tokens_per_s_vs_hf']:18.2f} {r['peak_rss_mb']:11.0f} {str(r['kv_bytes']):>10} "
                   f"{'-' if exact is None else format(r['agreement_with_lossless'], '.0%'):>10}")
+            if "breakdown_ms_per_step" in r:
+                b = r["breakdown_ms_per_step"]
+                print(f"{'':17} decode step {b['step']:.2f} ms: attention op {b['attention_op']:.2f} ms "
+                      f"(C kernel {b['c_kernel']:.2f}), the rest of the model {b['step'] - b['attention_op']:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows, "threads": 1, "model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else f"{args.model} zoo",
                                     "dtype": args.dtype if args.model == "smollm2" else "float32", "reps": args.reps,
