@@ -1,0 +1,36 @@
+"""bench/generate_speed.py end to end on the tiny zoo model: the rows it writes and the decode-step
+breakdown (the attention op inside the step, the C kernel inside the op)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+from kvtopo.kernels.cpu_decode import c_kernel_available
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "generate_speed.py"
+
+
+def test_breakdown_nests_and_modes_run_in_order(tmp_path):
+    out = tmp_path / "speed.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--model", "llama", "--prompts", "96", "--new", "4",
+                           "--reps", "1", "--modes", "kvtopo", "--breakdown", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["hf", "kvtopo"]  # the baseline always runs, first
+    hf, kv = rows
+    assert "breakdown_ms_per_step" not in hf and hf["agreement_with_lossless"] is None
+    assert len(kv["tokens"]) == 4 and kv["kv_bytes"] > 0
+    b = kv["breakdown_ms_per_step"]
+    assert 0 < b["attention_op"] < b["step"]
+    if c_kernel_available():
+        assert 0 < b["c_kernel"] < b["attention_op"]
+    else:
+        assert b["c_kernel"] == 0
+
+
+def test_new_below_two_is_refused():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--new", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--new must be >= 2" in done.stderr
