@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from kvtopo.kernels.cpu_decode import c_kernel_available
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "generate_speed.py"
