@@ -219,18 +219,30 @@ struct Segment {
    are never read back.
    cap > 0: every logit becomes cap * tanh(logit / cap) before the max and the softmax. */
 static void run_splits(Segment &sg, int s0, int s1, float cap) {
-    const int H = sg.H, G = sg.G, HG = H * G, HGp = round8(HG), RKp = round8(sg.RK), RVp = round8(sg.RV);
+    const int H = sg.H, G = sg.G, HG = H * G, RKp = round8(sg.RK), RVp = round8(sg.RV);
+    // Query head (h, g) is lane h * Gp + g of pass 1's blocks of 8. Gp = G, unless G neither
+    // divides 8 nor is a multiple of it (SmolLM2: 3) and padding each kv-head to the next divisor
+    // of 8 adds no block: then every block starts at a kv-head and loads its codes once per
+    // kv-head (the lanes beyond G have a zero query and are never read).
+    int Gp = G;
+    if (8 % G && G % 8 && G < 8) {
+        int padded = G <= 4 ? 4 : 8;
+        if (round8(H * padded) == round8(HG)) Gp = padded;
+    }
+    const int HGp = round8(H * Gp);  // lanes
+    std::vector<int> lane(HG);
+    for (int hg = 0; hg < HG; ++hg) lane[hg] = hg / G * Gp + hg % G;
     const Side &k = sg.k, &v = sg.v;
     const int per = (sg.N + sg.S - 1) / sg.S;
     const int UW = std::max(k.width(), v.width()) + std::max(RKp, RVp) + 8;  // room for the last chunks
-    std::vector<float> qs((size_t)HGp * RKp, 0.f), bias(HGp, 0.f), m(HGp), l(HGp), P(HGp), A((size_t)HG * RVp);
+    std::vector<float> qs((size_t)HGp * RKp, 0.f), bias(HGp, 0.f), m(HGp), l(HG), P(HG), A((size_t)HG * RVp);
     const int rb = std::max(4, std::min(32, 8192 / UW));  // pass 2's rows per block: their codes stay in L1
     std::vector<float> U((size_t)rb * UW, 0.f), w((size_t)rb * HGp), logits;
     std::vector<int> koff(HGp, 0), kchunks(HGp / 8, 0), voff(HG), vchunks(HG);
     for (int hg = 0; hg < HG; ++hg) {
         int h = hg / G;
-        koff[hg] = k.starts[h];
-        kchunks[hg / 8] = std::max(kchunks[hg / 8], (k.ranks[h] + 7) / 8);
+        for (int x = lane[hg]; x < (h + 1) * Gp; ++x) koff[x] = k.starts[h];  // padding lanes too
+        kchunks[lane[hg] / 8] = std::max(kchunks[lane[hg] / 8], (k.ranks[h] + 7) / 8);
         voff[hg] = v.starts[h];
         vchunks[hg] = (v.ranks[h] + 7) / 8;
     }
@@ -254,12 +266,12 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
                     const float *sc = k.scale + at, *of = k.offset + at;
                     for (int hg = h * G; hg < (h + 1) * G; ++hg) {
                         const float *q = sg.qp + (size_t)hg * sg.RK;
-                        float *qsh = qs.data() + (size_t)hg * RKp, b = sg.qb[hg];
+                        float *qsh = qs.data() + (size_t)lane[hg] * RKp, b = sg.qb[hg];
                         for (int r = 0; r < rk; ++r) {
                             qsh[r] = q[r] * sc[r];
                             b += q[r] * of[r];
                         }
-                        bias[hg] = b;
+                        bias[lane[hg]] = b;
                     }
                 }
             }
@@ -268,7 +280,7 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
             float *lg = logits.data() + (size_t)(n - n0) * HGp;
             for (int b = 0; b < HGp; b += 8) {
                 int nc = kchunks[b / 8];
-                v8f dots = pick_dots(G, nc)(qs.data() + (size_t)b * RKp, RKp, u, koff.data() + b, nc);
+                v8f dots = pick_dots(Gp, nc)(qs.data() + (size_t)b * RKp, RKp, u, koff.data() + b, nc);
                 store8(lg + b, dots + load8(bias.data() + b));
             }
             if (cap > 0.f)
@@ -306,17 +318,17 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
             for (int i = 0; i < nb; ++i)
                 for (int j = 0; j < HGp; ++j) w[i * HGp + j] = expf(lg[i * HGp + j] - m[j]);
             for (int i = 0; i < nb; ++i) {
-                for (int j = 0; j < HG; ++j) l[j] += w[i * HGp + j];
+                for (int j = 0; j < HG; ++j) l[j] += w[i * HGp + lane[j]];
                 if (v.per_row) {  // the row's statistics of each kv-head, folded into its heads' weights
                     for (int h = 0; h < H; ++h) {
                         const int64_t at = (n + i) * v.stat_a + h * v.stat_b;
                         for (int j = h * G; j < (h + 1) * G; ++j) {
-                            P[j] += w[i * HGp + j] * v.offset[at];
-                            w[i * HGp + j] *= v.scale[at];
+                            P[j] += w[i * HGp + lane[j]] * v.offset[at];
+                            w[i * HGp + lane[j]] *= v.scale[at];
                         }
                     }
                 } else {
-                    for (int j = 0; j < HG; ++j) P[j] += w[i * HGp + j];
+                    for (int j = 0; j < HG; ++j) P[j] += w[i * HGp + lane[j]];
                 }
                 v.unpack_row(n + i, U.data() + (size_t)i * UW);
             }
@@ -325,10 +337,10 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
                 const float *u = U.data() + voff[hg];
                 for (int c = 0, nc = vchunks[hg]; c < nc; c += 4) {
                     switch (std::min(4, nc - c)) {
-                        case 1: weigh_rows<1>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb); break;
-                        case 2: weigh_rows<2>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb); break;
-                        case 3: weigh_rows<3>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb); break;
-                        default: weigh_rows<4>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb);
+                        case 1: weigh_rows<1>(a + 8 * c, u + 8 * c, UW, w.data() + lane[hg], HGp, nb); break;
+                        case 2: weigh_rows<2>(a + 8 * c, u + 8 * c, UW, w.data() + lane[hg], HGp, nb); break;
+                        case 3: weigh_rows<3>(a + 8 * c, u + 8 * c, UW, w.data() + lane[hg], HGp, nb); break;
+                        default: weigh_rows<4>(a + 8 * c, u + 8 * c, UW, w.data() + lane[hg], HGp, nb);
                     }
                 }
             }
@@ -337,7 +349,7 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
         for (int i = 0; i < HG; ++i) {
             float inv = 1.f / l[i];
             for (int r = 0; r < sg.RV; ++r) coef[(size_t)i * sg.RV + r] *= inv;
-            out_lse[i] = m[i] + logf(l[i]);
+            out_lse[i] = m[lane[i]] + logf(l[i]);
         }
     }
 }
