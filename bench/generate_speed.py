@@ -81,7 +81,6 @@ class _DecodeClock:
         from kvtopo.runtime.session import Session
 
         self.attend = self.kernel = 0.0
-        self.calls = 0
         inside, clock = [False], self
         attend = Session.attend
 
@@ -94,7 +93,6 @@ class _DecodeClock:
             finally:
                 inside[0] = False
                 clock.attend += time.perf_counter() - start
-                clock.calls += 1
 
         kernel = cpu_decode.mid_kernel()
 

@@ -223,7 +223,7 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
     // Query head (h, g) is lane h * Gp + g of pass 1's blocks of 8. Gp = G, unless G neither
     // divides 8 nor is a multiple of it (SmolLM2: 3) and padding each kv-head to the next divisor
     // of 8 adds no block: then every block starts at a kv-head and loads its codes once per
-    // kv-head (the lanes beyond G have a zero query and are never read).
+    // kv-head (the lanes beyond G have a zero query). Pass 2 works in head order.
     int Gp = G;
     if (8 % G && G % 8 && G < 8) {
         int padded = G <= 4 ? 4 : 8;
@@ -239,12 +239,13 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
     const int rb = std::max(4, std::min(32, 8192 / UW));  // pass 2's rows per block: their codes stay in L1
     std::vector<float> U((size_t)rb * UW, 0.f), w((size_t)rb * HGp), logits;
     std::vector<int> koff(HGp, 0), kchunks(HGp / 8, 0), voff(HG), vchunks(HG);
+    for (int x = 0; x < H * Gp; ++x) {  // padding lanes read their kv-head's codes too
+        koff[x] = k.starts[x / Gp];
+        kchunks[x / 8] = std::max(kchunks[x / 8], (k.ranks[x / Gp] + 7) / 8);
+    }
     for (int hg = 0; hg < HG; ++hg) {
-        int h = hg / G;
-        for (int x = lane[hg]; x < (h + 1) * Gp; ++x) koff[x] = k.starts[h];  // padding lanes too
-        kchunks[lane[hg] / 8] = std::max(kchunks[lane[hg] / 8], (k.ranks[h] + 7) / 8);
-        voff[hg] = v.starts[h];
-        vchunks[hg] = (v.ranks[h] + 7) / 8;
+        voff[hg] = v.starts[hg / G];
+        vchunks[hg] = (v.ranks[hg / G] + 7) / 8;
     }
     for (int s = s0; s < s1; ++s) {
         const int n0 = s * per, n1 = std::min(n0 + per, sg.N);
@@ -317,18 +318,21 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
             const float *lg = logits.data() + (size_t)(n - n0) * HGp;
             for (int i = 0; i < nb; ++i)
                 for (int j = 0; j < HGp; ++j) w[i * HGp + j] = expf(lg[i * HGp + j] - m[j]);
+            if (Gp != G)  // lanes to head order: query head hg's weight at hg
+                for (int i = 0; i < nb; ++i)
+                    for (int h = 1; h < H; ++h) memmove(&w[i * HGp + h * G], &w[i * HGp + h * Gp], sizeof(float) * G);
             for (int i = 0; i < nb; ++i) {
-                for (int j = 0; j < HG; ++j) l[j] += w[i * HGp + lane[j]];
+                for (int j = 0; j < HG; ++j) l[j] += w[i * HGp + j];
                 if (v.per_row) {  // the row's statistics of each kv-head, folded into its heads' weights
                     for (int h = 0; h < H; ++h) {
                         const int64_t at = (n + i) * v.stat_a + h * v.stat_b;
                         for (int j = h * G; j < (h + 1) * G; ++j) {
-                            P[j] += w[i * HGp + lane[j]] * v.offset[at];
-                            w[i * HGp + lane[j]] *= v.scale[at];
+                            P[j] += w[i * HGp + j] * v.offset[at];
+                            w[i * HGp + j] *= v.scale[at];
                         }
                     }
                 } else {
-                    for (int j = 0; j < HG; ++j) P[j] += w[i * HGp + lane[j]];
+                    for (int j = 0; j < HG; ++j) P[j] += w[i * HGp + j];
                 }
                 v.unpack_row(n + i, U.data() + (size_t)i * UW);
             }
@@ -337,10 +341,10 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
                 const float *u = U.data() + voff[hg];
                 for (int c = 0, nc = vchunks[hg]; c < nc; c += 4) {
                     switch (std::min(4, nc - c)) {
-                        case 1: weigh_rows<1>(a + 8 * c, u + 8 * c, UW, w.data() + lane[hg], HGp, nb); break;
-                        case 2: weigh_rows<2>(a + 8 * c, u + 8 * c, UW, w.data() + lane[hg], HGp, nb); break;
-                        case 3: weigh_rows<3>(a + 8 * c, u + 8 * c, UW, w.data() + lane[hg], HGp, nb); break;
-                        default: weigh_rows<4>(a + 8 * c, u + 8 * c, UW, w.data() + lane[hg], HGp, nb);
+                        case 1: weigh_rows<1>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb); break;
+                        case 2: weigh_rows<2>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb); break;
+                        case 3: weigh_rows<3>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb); break;
+                        default: weigh_rows<4>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb);
                     }
                 }
             }
