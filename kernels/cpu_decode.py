@@ -16,7 +16,8 @@ changes), so a logit is one short dot with the raw codes; a two-pass softmax wit
 then accumulates the weighted value *codes* per page and applies the page's value statistics
 once per page (per-token value statistics are folded into the weights instead). A segment's
 splits are merged in the kernel; a projected Mid's output is projected back
-(``@ B_v^T + mean_v``) once per query head; the segments of all sequences are merged at once.
+(``@ B_v^T + mean_v``) once per query head; the segments of all sequences are merged at once,
+by the kernel's ``merge_parts``.
 No [N, C] float matrix is ever built: the kernel reads N * C * bits / 8 bytes of codes plus
 one statistics row per page. An unprojected Mid (KIVI-style codes of the keys/values
 themselves) and Recent pages are the same computation on an identity basis. Without the
@@ -142,6 +143,8 @@ def cpu_decode_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
         whole = _kernel_partials(kernel, q, segs, coded, parts, scale, softcap)
     if not whole and not all(parts):
         raise ValueError("decode attention over an empty history")
+    if kernel is not None:
+        return _kernel_merge(kernel, whole, parts, q.shape[1])
     dv = (whole[0] if whole else parts[0][0])[0].shape[-1]
     unseen = (q.new_zeros(q.shape[1], dv, dtype=torch.float32),  # pads a sequence with fewer parts
               q.new_full((q.shape[1],), -float("inf"), dtype=torch.float32))
@@ -162,6 +165,8 @@ def _kernel_partials(kernel, q: Tensor, segs: Sequence[DecodeSegments], coded: S
     heads = segs[0].kv_heads
     qs = (scale * q.float()).reshape(batch, heads, hq // heads, d).contiguous()
     zero = qs.new_zeros(qs.shape[:3])
+    # Per-sequence views by one unbind each, not one Python index per segment (each ~µs).
+    qs_rows, zero_rows = qs.unbind(0), zero.unbind(0)
     tensors: list[Tensor] = []
     ints: list[int] = []
 
@@ -181,13 +186,14 @@ def _kernel_partials(kernel, q: Tensor, segs: Sequence[DecodeSegments], coded: S
         dv = width(getattr(segs[rows[0]], kind))
         full = len(rows) == batch  # else the rows without this kind must read as empty
         out = qs.new_empty(batch, heads, hq // heads, dv) if full else qs.new_zeros(batch, heads, hq // heads, dv)
-        lse = qs.new_full(qs.shape[:3], -float("inf"))
+        lse = qs.new_empty(qs.shape[:3]) if full else qs.new_full(qs.shape[:3], -float("inf"))
+        out_rows, lse_rows = out.unbind(0), lse.unbind(0)
         for b in rows:
-            add(*args(qs[b], zero[b], getattr(segs[b], kind), out[b], lse[b]))
+            add(*args(qs_rows[b], zero_rows[b], getattr(segs[b], kind), out_rows[b], lse_rows[b]))
         whole.append((out.view(batch, hq, dv), lse.view(batch, hq)))
     mids = []
     for b, mid in coded:
-        qp, qb = mid.query_terms(q[b], scale) if mid.projected else (qs[b], zero[b])
+        qp, qb = mid.query_terms(q[b], scale) if mid.projected else (qs_rows[b], zero_rows[b])
         out, lse = qp.new_empty(*qp.shape[:2], mid.value_width), qp.new_empty(qp.shape[:2])
         add(*_mid_args(qp, qb, mid, out, lse))
         mids.append((b, mid, out, lse))
@@ -196,6 +202,23 @@ def _kernel_partials(kernel, q: Tensor, segs: Sequence[DecodeSegments], coded: S
     for b, mid, out, lse in mids:
         parts[b].append((mid.values_out(out).reshape(hq, -1), lse.reshape(-1)))
     return whole
+
+
+def _kernel_merge(kernel, whole: list[tuple[Tensor, Tensor]], parts: list[list[tuple[Tensor, Tensor]]],
+                  hq: int) -> Tensor:
+    """``merge_partials`` of the batch-wide partials (out [B, Hq, dv], lse [B, Hq]) and each
+    sequence's own ([Hq, dv], [Hq]) in one kernel call -> [B, Hq, dv]: the torch merge's
+    handful of ops per layer cost more than the kernel's attention over a short history."""
+    outs, lses, first = [], [], []
+    for out, lse in whole:
+        outs.append(out), lses.append(lse), first.append(0)
+    for b, own in enumerate(parts):
+        for out, lse in own:
+            outs.append(out), lses.append(lse), first.append(b * hq)
+    dv = outs[0].shape[-1]
+    merged = outs[0].new_empty(len(parts) * hq, dv, dtype=torch.float32)
+    kernel.merge_parts([x.float().contiguous() for x in outs], [x.float().contiguous() for x in lses], first, merged)
+    return merged.view(len(parts), hq, dv)
 
 
 def _single(part: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:

@@ -486,6 +486,48 @@ void decode_segments(const std::vector<at::Tensor> &tensors, const std::vector<i
     for (Segment &sg : segs) merge_splits(sg);
 }
 
+// The partial results of a decode batch merged by log-sum-exp into merged [R, dv] (R = batch *
+// query heads): part i, out [rows_i, dv] and lse [rows_i], covers merged rows first[i] ..
+// first[i] + rows_i - 1. Rows that no part sees (every lse -inf) come out zero. One call in place
+// of the torch merge's stack / logsumexp / exp / product / sum per layer and step.
+void merge_parts(const std::vector<at::Tensor> &outs, const std::vector<at::Tensor> &lses,
+                 const std::vector<int64_t> &first, at::Tensor merged) {
+    TORCH_CHECK(outs.size() == lses.size() && outs.size() == first.size() && !outs.empty(),
+                "one lse and one first row per part, at least one part");
+    float *m = const_cast<float *>(input<float>(merged, "merged"));
+    TORCH_CHECK(merged.dim() == 2, "merged must be [rows, dv]");
+    const int64_t R = merged.size(0), dv = merged.size(1);
+    std::vector<const float *> o(outs.size()), l(outs.size());
+    std::vector<int64_t> n(outs.size());
+    for (size_t i = 0; i < outs.size(); ++i) {
+        o[i] = input<float>(outs[i], "part out");
+        l[i] = input<float>(lses[i], "part lse");
+        n[i] = lses[i].numel();
+        TORCH_CHECK(outs[i].numel() == n[i] * dv && first[i] >= 0 && first[i] + n[i] <= R,
+                    "a part's out must be [rows, dv] with its rows inside merged");
+    }
+    std::vector<float> mx((size_t)R, -INFINITY), total((size_t)R, 0.f);
+    for (size_t i = 0; i < outs.size(); ++i)
+        for (int64_t r = 0; r < n[i]; ++r) mx[first[i] + r] = std::max(mx[first[i] + r], l[i][r]);
+    memset(m, 0, sizeof(float) * R * dv);
+    for (size_t i = 0; i < outs.size(); ++i)
+        for (int64_t r = 0; r < n[i]; ++r) {
+            const int64_t row = first[i] + r;
+            if (l[i][r] == -INFINITY) continue;  // an empty part (its out may be anything)
+            const float w = expf(l[i][r] - mx[row]);
+            total[row] += w;
+            float *dst = m + row * dv;
+            const float *src = o[i] + r * dv;
+            for (int64_t c = 0; c < dv; ++c) dst[c] += w * src[c];
+        }
+    for (int64_t row = 0; row < R; ++row)
+        if (total[row] > 0.f) {
+            const float inv = 1.f / total[row];
+            for (int64_t c = 0; c < dv; ++c) m[row * dv + c] *= inv;
+        }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("decode_segments", &decode_segments, "Fused decode attention over a batch of quantized segments");
+    m.def("merge_parts", &merge_parts, "Log-sum-exp merge of a decode batch's partial results");
 }

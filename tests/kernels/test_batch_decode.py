@@ -127,3 +127,36 @@ def test_recent_codes_of_one_batch_may_differ_in_encoding(monkeypatch):
     monkeypatch.setattr(cpu_decode, "mid_kernel", lambda: None)
     with pytest.raises(ValueError, match="share bits"):
         fast_decode.decode_attention_batch(q, segs, 0.2)
+
+
+def test_kernel_merge_equals_float64_merge():
+    """``merge_parts`` (the kernel's merge of a batch's partials) against the log-sum-exp merge
+    in float64: parts covering the whole batch or one sequence's rows, empty (-inf) rows whose
+    out is garbage, and a row that no part sees (zeros)."""
+    kernel = cpu_decode.mid_kernel()
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(0)
+    batch, hq, dv = 3, 4, 8
+    whole = [(torch.randn(batch, hq, dv, generator=gen), 5 * torch.randn(batch, hq, generator=gen)) for _ in range(2)]
+    whole[1][1][0, :2] = -float("inf")
+    whole[1][0][0, :2] = float("nan")  # an empty part's out is never read
+    own = [(b, torch.randn(hq, dv, generator=gen), 5 * torch.randn(hq, generator=gen)) for b in (0, 2, 2)]
+    for _, lse in whole:
+        lse[1, 3] = -float("inf")  # sequence 1, head 3: no part sees it
+    merged = torch.empty(batch * hq, dv)
+    kernel.merge_parts([o for o, _ in whole] + [o for _, o, _ in own], [l for _, l in whole] + [l for _, _, l in own],
+                       [0] * len(whole) + [b * hq for b, _, _ in own], merged)
+    lse = torch.stack([l.double() for _, l in whole] + [_on_rows(l, b, batch).double() for b, _, l in own])
+    out = torch.stack([o.double().nan_to_num() for o, _ in whole] + [_on_rows(o, b, batch).double() for b, o, _ in own])
+    weight = torch.exp(lse - lse.amax(0).nan_to_num(neginf=0.0)).nan_to_num()
+    expected = (weight[..., None] * out).sum(0) / weight.sum(0)[..., None]
+    expected[1, 3] = 0.0
+    torch.testing.assert_close(merged.view(batch, hq, dv).double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def _on_rows(part: torch.Tensor, b: int, batch: int) -> torch.Tensor:
+    """One sequence's part [Hq, ...] placed at row b of a batch, -inf / 0 elsewhere."""
+    fill = -float("inf") if part.dim() == 1 else 0.0
+    placed = part.new_full((batch, *part.shape), fill)
+    placed[b] = part
+    return placed
