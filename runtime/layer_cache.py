@@ -407,7 +407,8 @@ class LayerCache(Lifecycle):
         budget leaves at the append's end goes to the highest-scoring tokens wherever they are,
         so a page holding what the latest queries look for keeps all of it and filler pages
         keep little. Within a page each kv-head keeps its own best tokens; a page's count is
-        set by the heads' best score at each rank. {page index: kept token indices}; empty
+        set by the heads' best score at each rank, as the policy makes heads comparable
+        (`Policy.across_heads`). {page index: kept token indices}; empty
         when nothing is ranked (no budget, or every Mid token dropped) or only one page moves
         (it is ranked alone, as under "page")."""
         budget = self.budget(entry.final_length)
@@ -429,7 +430,7 @@ class LayerCache(Lifecycle):
         # Value of a page's k-th survivor: the best of the heads' k-th best scores (falls with k,
         # so taking the best values overall takes a prefix of every page's ranking). The max,
         # not the sum: a token one retrieval head needs is needed, whatever the other heads say.
-        gain = order.values.amax(0).flatten()
+        gain = self.policy.across_heads(order.values).amax(0).flatten()
         picked = gain.argsort(descending=True, stable=True)
         shape = (keys.shape[0], keys.shape[-1], 0 if self.shared_value_dim else values.shape[-1])
         # Every page costs its row count; its first survivor (rank 0) also brings its

@@ -74,6 +74,12 @@ class Policy:
         """Importance [Hkv, n] of a page's tokens; the highest are kept. Only called when evicting."""
         raise NotImplementedError(f"policy {self.name!r} does not evict")
 
+    def across_heads(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores [Hkv, ...] of the tokens ranked together, made comparable between kv-heads:
+        the joint eviction plan sets a page's kept count by the heads' best score at each rank.
+        Per-head order must not change. Default: as they are."""
+        return scores
+
     def has_budget(self) -> bool:
         """Whether the config sets a byte budget, i.e. whether eviction has anything to meet."""
         return self.config.target_ratio is not None or self.config.layer_budget_bytes is not None

@@ -313,6 +313,46 @@ def test_one_appends_pages_share_its_room_by_score(policy, monkeypatch):
     assert not stats.budget_missed
 
 
+@pytest.mark.parametrize("compared", ["shares", "raw"])
+def test_a_run_one_head_reads_keeps_its_pages_when_another_head_spreads(compared, monkeypatch):
+    """topo compares kv-heads by each head's share of its own credit (`Topo.across_heads`): a
+    head that gives every token a large score must not set every page's count, so a run of
+    tokens that one peaked head reads (crossing a page boundary, as a needle does) keeps all
+    of it in that head. Compared raw, the spread head wins and the run loses tokens."""
+    from kvtopo.runtime.policies.topo import Topo
+
+    run = range(100, 120)  # group offsets; pages of 16 tokens, so the run crosses offset 112
+
+    def designed(self, inputs):
+        n = inputs.keys.shape[1]
+        spread = 10 + torch.rand(n, generator=torch.Generator().manual_seed(0))
+        peaked = torch.zeros(n)
+        peaked[list(run)] = 5.0
+        return torch.stack([spread, peaked])
+
+    monkeypatch.setattr(Topo, "score", designed)
+    if compared == "raw":
+        monkeypatch.setattr(Topo, "across_heads", lambda self, scores: scores)
+    plans, original = [], LayerCache._plan_joint_eviction
+
+    def spy(self, entry, key, value):
+        plans.append((original(self, entry, key, value), entry))
+        return plans[-1][0]
+
+    monkeypatch.setattr(LayerCache, "_plan_joint_eviction", spy)
+    q, k, v = _planted_hit()
+    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0, observation_window=4)
+    with kvtopo.session(config) as s:
+        s.attend("l", q, k[None], v[None], None, 32 ** -0.5)
+    plan = next(p for p, _ in plans if p)
+    group = sorted(plan)
+    kept = {group.index(page) * 16 + int(t) for page, rows in plan.items() for t in rows[1]}
+    if compared == "shares":
+        assert set(run) <= kept, sorted(kept)
+    else:
+        assert not set(run) <= kept, sorted(kept)
+
+
 def test_carry_forward_and_ties_go_to_the_lower_index():
     scores = torch.tensor([[0.0, 5.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
     assert carry_forward(scores, 2).tolist() == [[0.0, 5.0, 5.0, 5.0, 1.0, 1.0, 1.0, 0.0]]
