@@ -73,8 +73,9 @@ class _StampLogits:
 
 class _DecodeClock:
     """`--breakdown`: seconds spent in decode steps (one-token calls) inside the session's
-    attention op (`Session.attend`: the store's bookkeeping, the kernel's arguments, the merge)
-    and, within it, inside the C decode kernel; the rest of a step is the model's other layers."""
+    attention op (`Session.attend`: the store's bookkeeping, the kernel's arguments) and, within
+    it, inside the C decode kernel (its attention and its merge of the partials); the rest of a
+    step is the model's other layers."""
 
     def __init__(self):
         from kvtopo.kernels import cpu_decode
@@ -96,12 +97,18 @@ class _DecodeClock:
 
         kernel = cpu_decode.mid_kernel()
 
-        class TimedKernel:
-            def decode_segments(self, *args):
-                start = time.perf_counter()
-                kernel.decode_segments(*args)
-                if inside[0]:
-                    clock.kernel += time.perf_counter() - start
+        class TimedKernel:  # every function of the kernel module (attention, merge) is timed
+            def __getattr__(self, name):
+                function = getattr(kernel, name)
+
+                def timed(*args):
+                    start = time.perf_counter()
+                    try:
+                        return function(*args)
+                    finally:
+                        if inside[0]:
+                            clock.kernel += time.perf_counter() - start
+                return timed
 
         Session.attend = timed_attend
         if kernel is not None:
