@@ -164,15 +164,19 @@ def decode_segments(cache: LayerCache, seq: int, k_new: Tensor | None = None, v_
 
 
 def attend_cache_batch(cache: LayerCache, seqs: Sequence[int], q: Tensor, k_new: Tensor, v_new: Tensor,
-                       scale: float, softcap: float | None = None) -> Tensor:
+                       scale: float, softcap: float | None = None, pending: Sequence[int] | None = None) -> Tensor:
     """Decode step of several sequences (``Session._decode_batch``): q [B, Hq, 1, d] of sequence
     ``seqs[b]`` over its stored history plus k_new/v_new [B, Hkv, 1, d], one batched kernel call;
     returns [B, Hq, 1, dv] in q's dtype. ``softcap``: logits are ``softcap * tanh(logits /
-    softcap)`` (None: uncapped). Does not store the tokens (the caller still calls
+    softcap)`` (None: uncapped). ``pending``: the rows whose new token is not stored yet (None:
+    every row); the others' tokens are already in their history (``LayerCache.write_in_place``),
+    so their k_new/v_new are not read. Does not store the pending tokens (the caller still calls
     ``cache.observe``/``cache.append``)."""
     if q.shape[2] != 1:
         raise ValueError(f"attend_cache_batch is for decode steps (one query token), got {q.shape[2]}")
-    segs = [decode_segments(cache, seq, k_new[b], v_new[b]) for b, seq in enumerate(seqs)]
+    pending = set(range(len(seqs)) if pending is None else pending)
+    segs = [decode_segments(cache, seq, k_new[b], v_new[b]) if b in pending else decode_segments(cache, seq)
+            for b, seq in enumerate(seqs)]
     return decode_attention_batch(q[:, :, 0], segs, scale, softcap=softcap)[:, :, None].to(q.dtype)
 
 

@@ -204,19 +204,24 @@ class LayerCache(Lifecycle):
             self._drop_outside_window(entry)
 
     def append_decode(self, seqs: list[int], key: torch.Tensor, value: torch.Tensor) -> None:
-        """Append one token to each of the distinct sequences `seqs` (key/value [B, Hkv, 1, d]).
+        """Append one token to each of the distinct sequences `seqs` (key/value [B, Hkv, 1, d]):
+        `write_in_place` where it can, `append` for the rest."""
+        for i in self.write_in_place(seqs, key, value):
+            self.append(seqs[i], key[i], value[i])
 
-        A token that lands in its sequence's Terminal page with room left, and starts no Mid epoch,
-        moves no page (at page size 32, 31 decode steps in 32): those tokens are written into the
-        pool by one indexed copy, which is all `append` would do for them. The others go through
-        `append`. A serving batch appends every decode step of a layer here, so the cost per
-        step is not a Python walk of the lifecycle per sequence."""
+    def write_in_place(self, seqs: list[int], key: torch.Tensor, value: torch.Tensor) -> list[int]:
+        """Write the one token of each of the distinct sequences `seqs` (key/value [B, Hkv, 1, d])
+        that lands in its sequence's Terminal page with room left and starts no Mid epoch: it
+        moves no page (at page size 32, 31 decode steps in 32), so one indexed copy into the pool
+        is all `append` would do for it. Returns the rows it did not write, in order; the caller
+        `append`s those. A serving batch appends every decode step of a layer here, so the cost
+        per step is not a Python walk of the lifecycle per sequence."""
         if len(set(seqs)) != len(seqs) or key.shape[0] != len(seqs) or key.shape[2] != 1:
             raise ValueError(f"append_decode takes one token for each distinct sequence, got ids {seqs} "
                              f"for keys of shape {tuple(key.shape)}")
         P = self.config.page_size
         plain = self.window is None and not self.shared_value_dim  # no window drops, values stored
-        rows, slots, offsets, entries = [], [], [], []
+        rows, slots, offsets, entries, rest = [], [], [], [], []
         for i, seq in enumerate(seqs):
             entry = self.sequences.get(seq)
             page = entry.pages[-1] if entry is not None and entry.pages else None
@@ -227,11 +232,10 @@ class LayerCache(Lifecycle):
                 offsets.append(page.tokens)
                 entries.append(entry)
             else:
-                self.append(seq, key[i], value[i])
+                rest.append(i)
         if not rows:
-            return
+            return rest
         self._pool_for(key[rows[0]], value[rows[0]])  # checks shapes and dtype against the layer's pool
-        # After the appends above: a pool that grew holds new tensors.
         if len(rows) == 1:  # one sequence: a plain slice, no index tensors
             (slot,), (offset,), (row,) = slots, offsets, rows
         else:
@@ -242,6 +246,7 @@ class LayerCache(Lifecycle):
             entry.pages[-1].tokens += 1
             entry.length += 1
             entry.final_length = entry.length
+        return rest
 
     # -- the lifecycle's hooks -----------------------------------------------------------------
     def _new_page(self) -> Page:

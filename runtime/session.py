@@ -4,8 +4,9 @@ Batch row b of every call is sequence b of the session. Each call of `attend` ga
 stored history for each sequence, attends over [history ; new chunk] (causal within the chunk),
 then appends the chunk's new k/v. Tokens marked invalid for the current step (left padding) are
 neither attended to nor stored. Decode steps (one token per sequence) of the whole batch are one
-batched kernel call over the stored codes, and their tokens are stored together
-(`LayerCache.append_decode`); the observation windows are kept per sequence.
+batched kernel call over the stored codes; a token that moves no page is written into its
+Terminal page first (`LayerCache.write_in_place`) and read there; the observation windows are
+kept per sequence.
 """
 
 from __future__ import annotations
@@ -255,11 +256,17 @@ class Session:
     def _decode_batch(cache: LayerCache, seqs: Sequence[int], q, k, v, scale: float,
                       softcap: float | None) -> torch.Tensor:
         """One batched decode call over the stored codes of every sequence in ``seqs`` (q
-        [B, Hq, 1, d], k/v [B, Hkv, 1, d]), then each sequence's token observed and stored."""
-        out = attend_cache_batch(cache, seqs, q, k, v, scale, softcap)
+        [B, Hq, 1, d], k/v [B, Hkv, 1, d]), each sequence's token observed and stored. A token
+        that moves no page is written into its Terminal page first and read there with the rest
+        of the exact history (one segment fewer per step); the others are attended as a
+        separate new token and appended after (their append may evict, by the observed queries)."""
+        seqs = list(seqs)
+        pending = cache.write_in_place(seqs, k, v)
+        out = attend_cache_batch(cache, seqs, q, k, v, scale, softcap, pending=pending)
         for i, seq in enumerate(seqs):
             cache.observe(seq, q[i], k.shape[1])
-        cache.append_decode(list(seqs), k, v)
+        for i in pending:
+            cache.append(seqs[i], k[i], v[i])
         return out
 
     def _attend_one(self, cache: LayerCache, seq: int, q, k, v, scale: float, softcap: float | None,
