@@ -35,6 +35,7 @@ import platform
 import shutil
 import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -267,10 +268,30 @@ def _dense_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
     return out, lse.reshape(hkv, batch, hq // hkv).transpose(0, 1).reshape(batch, hq)
 
 
+_LAYOUTS: "weakref.WeakKeyDictionary[MidCodes | RecentCodes, tuple[list[Tensor], list[int]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _layout(codes: MidCodes | RecentCodes, build) -> tuple[list[Tensor], list[int]]:
+    """``build(codes)``, once per codes object: a segment's tensors between its query terms and
+    its outputs, and its ints, are the same at every decode step until the store replaces the
+    object (rows appended, the Recent window moved)."""
+    held = _LAYOUTS.get(codes)
+    if held is None:
+        held = _LAYOUTS[codes] = build(codes)
+    return held
+
+
 def _mid_args(qp: Tensor, qb: Tensor, mid: MidCodes, out: Tensor, lse: Tensor) -> tuple[list[Tensor], list[int]]:
-    """A Mid segment as the kernel reads it (see ``decode_segments`` in csrc/mid_decode.cpp):
-    each code row one run of every head's codes side by side, statistics per page, values'
-    per row and head when quantized per token. qp [Hkv, G, Rk], qb [Hkv, G]: its query terms."""
+    """A Mid segment as the kernel reads it (see ``decode_segments`` in csrc/mid_decode.cpp).
+    qp [Hkv, G, Rk], qb [Hkv, G]: its query terms."""
+    middle, ints = _layout(mid, _mid_layout)
+    return [qp, qb, *middle, out, lse], ints
+
+
+def _mid_layout(mid: MidCodes) -> tuple[list[Tensor], list[int]]:
+    """Each code row one run of every head's codes side by side, statistics per page, values'
+    per row and head when quantized per token."""
     n, heads = mid.tokens, mid.kv_heads
     sides, ints = [], [n]
     for rows, stat_scale, offset, starts, ranks, bits, per_row in (
@@ -279,22 +300,27 @@ def _mid_args(qp: Tensor, qb: Tensor, mid: MidCodes, out: Tensor, lse: Tensor) -
         width = rows.shape[1] * 8 // bits if per_row else stat_scale.shape[1]  # codes per row
         sides += [rows, stat_scale, offset, starts, ranks, _NOT_PAGED]
         ints += [bits, 1, width, rows.shape[1], 0, *((heads, 1) if per_row else (width, 0)), int(per_row), 0, 0]
-    return [qp, qb, *(x.contiguous() for x in sides), mid.row_stat.contiguous(), out, lse], ints
+    return [*(x.contiguous() for x in sides), mid.row_stat.contiguous()], ints
 
 
 def _recent_args(qp: Tensor, qb: Tensor, recent: RecentCodes, out: Tensor,
                  lse: Tensor) -> tuple[list[Tensor], list[int]]:
     """Recent pages as the kernel reads them: an identity basis (qp the scaled query [Hkv, G,
-    dk], qb zeros), each kv-head's codes a run of its own [Nr, bytes] block, key statistics
-    per page and channel, value statistics per token."""
+    dk], qb zeros)."""
+    middle, ints = _layout(recent, _recent_layout_of)
+    return [qp, qb, *middle, out, lse], ints
+
+
+def _recent_layout_of(recent: RecentCodes) -> tuple[list[Tensor], list[int]]:
+    """Each kv-head's codes a run of its own [Nr, bytes] block, key statistics per page and
+    channel, value statistics per token."""
     heads, n = recent.k_codes.shape[:2]
     k_starts, k_ranks, v_starts, v_ranks, row_stat = _recent_layout(heads, recent.dk, recent.dv, n, recent.page_size)
     pages = recent.k_scale.shape[1]
-    tensors = [qp, qb,
-               recent.k_codes.contiguous(), recent.k_scale.contiguous(), recent.k_offset.contiguous(), k_starts, k_ranks,
-               _NOT_PAGED,
-               recent.v_codes.contiguous(), recent.v_scale.contiguous(), recent.v_offset.contiguous(), v_starts, v_ranks,
-               _NOT_PAGED, row_stat, out, lse]
+    tensors = [recent.k_codes.contiguous(), recent.k_scale.contiguous(), recent.k_offset.contiguous(), k_starts,
+               k_ranks, _NOT_PAGED,
+               recent.v_codes.contiguous(), recent.v_scale.contiguous(), recent.v_offset.contiguous(), v_starts,
+               v_ranks, _NOT_PAGED, row_stat]
     k_bytes, v_bytes = recent.k_codes.shape[2], recent.v_codes.shape[2]
     ints = [n,
             recent.bits, heads, recent.dk, k_bytes, n * k_bytes, recent.dk, pages * recent.dk, 0, 0, 0,

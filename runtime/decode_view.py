@@ -180,7 +180,10 @@ def attend_cache_batch(cache: LayerCache, seqs: Sequence[int], q: Tensor, k_new:
     return decode_attention_batch(q[:, :, 0], segs, scale, softcap=softcap)[:, :, None].to(q.dtype)
 
 
-def attend_cache(cache: LayerCache, seq: int, q: Tensor, k_new: Tensor, v_new: Tensor, scale: float,
+def attend_cache(cache: LayerCache, seq: int, q: Tensor, k_new: Tensor | None, v_new: Tensor | None, scale: float,
                  softcap: float | None = None) -> Tensor:
-    """``attend_cache_batch`` of one sequence: q [Hq, 1, d], k_new/v_new [Hkv, 1, d] -> [Hq, 1, dv]."""
+    """``attend_cache_batch`` of one sequence: q [Hq, 1, d], k_new/v_new [Hkv, 1, d] -> [Hq, 1, dv]
+    (k_new/v_new None: the new token is already stored)."""
+    if k_new is None:
+        return attend_cache_batch(cache, [seq], q[None], None, None, scale, softcap, pending=())[0]
     return attend_cache_batch(cache, [seq], q[None], k_new[None], v_new[None], scale, softcap)[0]

@@ -144,7 +144,8 @@ PROMPT, STEPS = 96, 12
 def _reference_attend_cache(cache, seq, q, k, v, scale, softcap=None):
     """What ``Session._attend_one`` computes off the fast path for a decode step."""
     parts = _history_partials(q, cache.segments(seq), scale, softcap)
-    return merge_partials(parts + [partial_dense(q, k, v, scale, softcap=softcap)]).to(q.dtype)
+    new = [partial_dense(q, k, v, scale, softcap=softcap)] if k is not None else []  # else already stored
+    return merge_partials(parts + new).to(q.dtype)
 
 
 _MODELS: dict = {}
@@ -166,9 +167,11 @@ def _gemma2(q_gain: float):
 def _decode(compiled, config, ids, attend):
     calls = []
 
-    def spy(cache, seqs, q, k, v, scale, softcap=None):  # the session's batched decode call, one row at a time
+    def spy(cache, seqs, q, k, v, scale, softcap=None, pending=None):  # the session's batched call, row by row
         calls.append(softcap)
-        return torch.stack([attend(cache, seq, q[i], k[i], v[i], scale, softcap) for i, seq in enumerate(seqs)])
+        pending = range(len(seqs)) if pending is None else pending  # rows whose token is not stored yet
+        return torch.stack([attend(cache, seq, q[i], *((k[i], v[i]) if i in pending else (None, None)), scale, softcap)
+                            for i, seq in enumerate(seqs)])
 
     mp = pytest.MonkeyPatch()
     mp.setattr(session_mod, "attend_cache_batch", spy)
