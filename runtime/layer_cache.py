@@ -182,8 +182,16 @@ class LayerCache(Lifecycle):
         entry = self.sequences.get(seq)
         return entry.length if entry else 0
 
+    def _entry(self, seq: int) -> SequenceKV:
+        """Sequence `seq`'s state, made on first use (not `setdefault`: a SequenceKV is not free
+        to build, and decode steps look one up in every layer)."""
+        entry = self.sequences.get(seq)
+        if entry is None:
+            entry = self.sequences[seq] = SequenceKV()
+        return entry
+
     def observe(self, seq: int, queries: torch.Tensor, kv_heads: int) -> None:
-        super().observe(self.sequences.setdefault(seq, SequenceKV()), queries, kv_heads)
+        super().observe(self._entry(seq), queries, kv_heads)
 
     def append(self, seq: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Append key [Hkv, n, dk] / value [Hkv, n, dv] to `seq`, then move pages through phases."""
@@ -191,7 +199,7 @@ class LayerCache(Lifecycle):
         if n == 0:
             return
         self._pool_for(key, value)
-        entry = self.sequences.setdefault(seq, SequenceKV())
+        entry = self._entry(seq)
         self.start_append(entry, n, key.shape[-1], (key, value))
         if self.config.eviction_scope == "append":
             entry.planned = self._plan_joint_eviction(entry, key, value)
