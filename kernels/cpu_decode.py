@@ -180,13 +180,13 @@ def _kernel_partials(kernel, q: Tensor, segs: Sequence[DecodeSegments], coded: S
     for kind, width, args in (  # kind: the DecodeSegments field; width: its value width, if present
             ("exact_pages", lambda x: x.tokens and x.values.shape[-1], _paged_exact_args),
             ("exact", lambda x: x[0].shape[1] and x[1].shape[-1], _exact_args),
-            ("recent", lambda x: x.tokens and x.dv, _recent_args)):
+            ("recent", lambda x: x.tokens and x.dv, _codes_args)):
         rows = [b for b, s in enumerate(segs) if getattr(s, kind) is not None and width(getattr(s, kind))]
         if not rows:
             continue
         dv = width(getattr(segs[rows[0]], kind))
         full = len(rows) == batch  # else the rows without this kind must read as empty
-        out = qs.new_empty(batch, heads, hq // heads, dv) if full else qs.new_zeros(batch, heads, hq // heads, dv)
+        out = qs.new_empty(batch, heads, hq // heads, dv)  # rows with lse -inf are never read
         lse = qs.new_empty(qs.shape[:3]) if full else qs.new_full(qs.shape[:3], -float("inf"))
         out_rows, lse_rows = out.unbind(0), lse.unbind(0)
         for b in rows:
@@ -196,7 +196,7 @@ def _kernel_partials(kernel, q: Tensor, segs: Sequence[DecodeSegments], coded: S
     for b, mid in coded:
         qp, qb = mid.query_terms(q[b], scale) if mid.projected else (qs_rows[b], zero_rows[b])
         out, lse = qp.new_empty(*qp.shape[:2], mid.value_width), qp.new_empty(qp.shape[:2])
-        add(*_mid_args(qp, qb, mid, out, lse))
+        add(*_codes_args(qp, qb, mid, out, lse))
         mids.append((b, mid, out, lse))
     if tensors:
         kernel.decode_segments(tensors, ints, torch.get_num_threads(), 0.0 if softcap is None else float(softcap))
@@ -272,24 +272,21 @@ _LAYOUTS: "weakref.WeakKeyDictionary[MidCodes | RecentCodes, tuple[list[Tensor],
     weakref.WeakKeyDictionary()
 
 
-def _layout(codes: MidCodes | RecentCodes, build) -> tuple[list[Tensor], list[int]]:
-    """``build(codes)``, once per codes object: a segment's tensors between its query terms and
-    its outputs, and its ints, are the same at every decode step until the store replaces the
-    object (rows appended, the Recent window moved)."""
+def _codes_args(qp: Tensor, qb: Tensor, codes: MidCodes | RecentCodes, out: Tensor,
+                lse: Tensor) -> tuple[list[Tensor], list[int]]:
+    """A Mid or Recent segment as the kernel reads it (see ``decode_segments`` in
+    csrc/mid_decode.cpp): qp [Hkv, G, R], qb [Hkv, G] its query terms, then its codes' layout,
+    built once per codes object (the same at every decode step until the store replaces the
+    object: rows appended, the Recent window moved), then its outputs."""
     held = _LAYOUTS.get(codes)
     if held is None:
+        build = _mid_codes_layout if isinstance(codes, MidCodes) else _recent_codes_layout
         held = _LAYOUTS[codes] = build(codes)
-    return held
-
-
-def _mid_args(qp: Tensor, qb: Tensor, mid: MidCodes, out: Tensor, lse: Tensor) -> tuple[list[Tensor], list[int]]:
-    """A Mid segment as the kernel reads it (see ``decode_segments`` in csrc/mid_decode.cpp).
-    qp [Hkv, G, Rk], qb [Hkv, G]: its query terms."""
-    middle, ints = _layout(mid, _mid_layout)
+    middle, ints = held
     return [qp, qb, *middle, out, lse], ints
 
 
-def _mid_layout(mid: MidCodes) -> tuple[list[Tensor], list[int]]:
+def _mid_codes_layout(mid: MidCodes) -> tuple[list[Tensor], list[int]]:
     """Each code row one run of every head's codes side by side, statistics per page, values'
     per row and head when quantized per token."""
     n, heads = mid.tokens, mid.kv_heads
@@ -303,17 +300,10 @@ def _mid_layout(mid: MidCodes) -> tuple[list[Tensor], list[int]]:
     return [*(x.contiguous() for x in sides), mid.row_stat.contiguous()], ints
 
 
-def _recent_args(qp: Tensor, qb: Tensor, recent: RecentCodes, out: Tensor,
-                 lse: Tensor) -> tuple[list[Tensor], list[int]]:
-    """Recent pages as the kernel reads them: an identity basis (qp the scaled query [Hkv, G,
-    dk], qb zeros)."""
-    middle, ints = _layout(recent, _recent_layout_of)
-    return [qp, qb, *middle, out, lse], ints
-
-
-def _recent_layout_of(recent: RecentCodes) -> tuple[list[Tensor], list[int]]:
-    """Each kv-head's codes a run of its own [Nr, bytes] block, key statistics per page and
-    channel, value statistics per token."""
+def _recent_codes_layout(recent: RecentCodes) -> tuple[list[Tensor], list[int]]:
+    """Recent pages on an identity basis (qp the scaled query, qb zeros): each kv-head's codes a
+    run of its own [Nr, bytes] block, key statistics per page and channel, value statistics per
+    token."""
     heads, n = recent.k_codes.shape[:2]
     k_starts, k_ranks, v_starts, v_ranks, row_stat = _recent_layout(heads, recent.dk, recent.dv, n, recent.page_size)
     pages = recent.k_scale.shape[1]

@@ -225,7 +225,7 @@ class LayerCache(Lifecycle):
         `append`s those. A serving batch appends every decode step of a layer here, so the cost
         per step is not a Python walk of the lifecycle per sequence."""
         if len(set(seqs)) != len(seqs) or key.shape[0] != len(seqs) or key.shape[2] != 1:
-            raise ValueError(f"append_decode takes one token for each distinct sequence, got ids {seqs} "
+            raise ValueError(f"a decode append takes one token for each distinct sequence, got ids {seqs} "
                              f"for keys of shape {tuple(key.shape)}")
         P = self.config.page_size
         plain = self.window is None and not self.shared_value_dim  # no window drops, values stored
