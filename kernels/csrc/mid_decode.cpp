@@ -86,16 +86,39 @@ static Dots pick_dots(int G, int nc) {
     return DotsTable<0>::at[i];
 }
 
-/* a[0 .. 8T) += sum_i w[i * w_stride] * u[i * u_stride + (0 .. 8T)] over nb rows: one query
-   head's weighted value codes of a block of rows, the T chunk sums held in registers. */
-template <int T>
-static void weigh_rows(float *a, const float *u, int u_stride, const float *w, int w_stride, int nb) {
-    v8f acc[T] = {};
+/* For GG query heads g of one kv-head: a[g * a_stride + (0 .. 8T)] += sum_i w[i * w_stride + g] *
+   u[i * u_stride + (0 .. 8T)] over nb rows: the heads' weighted value codes of a block of rows.
+   The heads share each loaded chunk of codes, and their GG * T sums, held in registers, are
+   independent chains: one head alone (T sums) waits on the FMA latency every row. */
+template <int T, int GG>
+static void weigh_rows(float *a, int a_stride, const float *u, int u_stride, const float *w, int w_stride, int nb) {
+    v8f acc[GG][T] = {};
     for (int i = 0; i < nb; ++i) {
-        v8f p = splat(w[(size_t)i * w_stride]);
-        for (int t = 0; t < T; ++t) acc[t] += p * load8(u + (size_t)i * u_stride + 8 * t);
+        const float *row = u + (size_t)i * u_stride;
+        for (int g = 0; g < GG; ++g) {
+            v8f p = splat(w[(size_t)i * w_stride + g]);
+            for (int t = 0; t < T; ++t) acc[g][t] += p * load8(row + 8 * t);
+        }
     }
-    for (int t = 0; t < T; ++t) store8(a + 8 * t, load8(a + 8 * t) + acc[t]);
+    for (int g = 0; g < GG; ++g)
+        for (int t = 0; t < T; ++t) store8(a + (size_t)g * a_stride + 8 * t, load8(a + (size_t)g * a_stride + 8 * t) + acc[g][t]);
+}
+
+/* weigh_rows for `heads` query heads of one kv-head, as many at a time as keep their sums within
+   12 of the 16 vector registers. */
+template <int T>
+static void weigh_heads(float *a, int a_stride, const float *u, int u_stride, const float *w, int w_stride, int nb,
+                        int heads) {
+    constexpr int most = 12 / T < 4 ? 12 / T : 4;
+    for (int g = 0; g < heads;) {
+        const int gg = std::min(most, heads - g);
+        float *ag = a + (size_t)g * a_stride;
+        if (gg >= most) weigh_rows<T, most>(ag, a_stride, u, u_stride, w + g, w_stride, nb);
+        else if (gg == 3) weigh_rows<T, 3>(ag, a_stride, u, u_stride, w + g, w_stride, nb);
+        else if (gg == 2) weigh_rows<T, 2>(ag, a_stride, u, u_stride, w + g, w_stride, nb);
+        else weigh_rows<T, 1>(ag, a_stride, u, u_stride, w + g, w_stride, nb);
+        g += gg;
+    }
 }
 
 static const int SHORT_ROW = 64;  // bytes
@@ -206,6 +229,43 @@ struct Segment {
     std::vector<float> coef, split_lse;  // [S, H, G, RV], [S, H, G]: each split's result
 };
 
+/* A page's key statistics folded into one query head: qs[r] = q[r] * scale[r] for r < n; returns
+   q . offset. Runs once per page and query head: written in vectors, as the compiler cannot prove
+   the output apart from the inputs. */
+static inline float fold_key_stats(float *__restrict qs, const float *__restrict q, const float *__restrict scale,
+                                   const float *__restrict offset, int n) {
+    v8f acc = splat(0.f);
+    int r = 0;
+    for (; r + 8 <= n; r += 8) {
+        store8(qs + r, load8(q + r) * load8(scale + r));
+        acc += load8(q + r) * load8(offset + r);
+    }
+    float b = acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
+    for (; r < n; ++r) {
+        qs[r] = q[r] * scale[r];
+        b += q[r] * offset[r];
+    }
+    return b;
+}
+
+/* A page's sums of one query head into its output: o[r] += scale[r] * a[r] + offset[r] * p for
+   r < n (scale nullptr: per-row statistics, already in the weights: o[r] += a[r] + p), then the
+   sums a are zeroed for the next page. Runs once per page and query head: written in vectors,
+   as the compiler cannot prove o, a and the statistics apart. */
+static inline void flush_sums(float *__restrict o, float *__restrict a, const float *__restrict scale,
+                              const float *__restrict offset, float p, int n) {
+    const v8f pv = splat(p);
+    int r = 0;
+    if (scale) {
+        for (; r + 8 <= n; r += 8) store8(o + r, load8(o + r) + load8(scale + r) * load8(a + r) + load8(offset + r) * pv);
+        for (; r < n; ++r) o[r] += scale[r] * a[r] + offset[r] * p;
+    } else {
+        for (; r + 8 <= n; r += 8) store8(o + r, load8(o + r) + load8(a + r) + pv);
+        for (; r < n; ++r) o[r] += a[r] + p;
+    }
+    for (r = 0; r < round8(n); r += 8) store8(a + r, splat(0.f));
+}
+
 /* Splits [s0, s1) of a segment's rows, every kv-head and query head at once. Key statistics are
    per page, so they are folded into the query when the page changes:
      logit = qb + q . (scale * code + offset) = (qb + q . offset) + (q * scale) . code
@@ -214,9 +274,9 @@ struct Segment {
    per row they are folded into the weights (p_n * scale_n, and p_n * offset_n summed).
    Pass 1: logits of every row (8 query heads at a time: eight dots reduced together) and their
    max; pass 2: softmax weights and the weighted value codes, a block of rows of one page at a
-   time (each query head's sums held in registers over the block). Each head's dots run over
-   whole 8-column chunks: the query is zero beyond the head's rank, and value columns beyond it
-   are never read back.
+   time (a kv-head's query heads weigh each loaded chunk of its codes together, their sums held
+   in registers over the block). Each head's dots run over whole 8-column chunks: the query is
+   zero beyond the head's rank, and value columns beyond it are never read back.
    cap > 0: every logit becomes cap * tanh(logit / cap) before the max and the softmax. */
 static void run_splits(Segment &sg, int s0, int s1, float cap) {
     const int H = sg.H, G = sg.G, HG = H * G, RKp = round8(sg.RK), RVp = round8(sg.RV);
@@ -238,14 +298,14 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
     std::vector<float> qs((size_t)HGp * RKp, 0.f), bias(HGp, 0.f), m(HGp), l(HG), P(HG), A((size_t)HG * RVp);
     const int rb = std::max(4, std::min(32, 8192 / UW));  // pass 2's rows per block: their codes stay in L1
     std::vector<float> U((size_t)rb * UW, 0.f), w((size_t)rb * HGp), logits;
-    std::vector<int> koff(HGp, 0), kchunks(HGp / 8, 0), voff(HG), vchunks(HG);
+    std::vector<int> koff(HGp, 0), kchunks(HGp / 8, 0), voff(H), vchunks(H);
     for (int x = 0; x < H * Gp; ++x) {  // padding lanes read their kv-head's codes too
         koff[x] = k.starts[x / Gp];
         kchunks[x / 8] = std::max(kchunks[x / 8], (k.ranks[x / Gp] + 7) / 8);
     }
-    for (int hg = 0; hg < HG; ++hg) {
-        voff[hg] = v.starts[hg / G];
-        vchunks[hg] = (v.ranks[hg / G] + 7) / 8;
+    for (int h = 0; h < H; ++h) {
+        voff[h] = v.starts[h];
+        vchunks[h] = (v.ranks[h] + 7) / 8;
     }
     for (int s = s0; s < s1; ++s) {
         const int n0 = s * per, n1 = std::min(n0 + per, sg.N);
@@ -267,12 +327,7 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
                     const float *sc = k.scale + at, *of = k.offset + at;
                     for (int hg = h * G; hg < (h + 1) * G; ++hg) {
                         const float *q = sg.qp + (size_t)hg * sg.RK;
-                        float *qsh = qs.data() + (size_t)lane[hg] * RKp, b = sg.qb[hg];
-                        for (int r = 0; r < rk; ++r) {
-                            qsh[r] = q[r] * sc[r];
-                            b += q[r] * of[r];
-                        }
-                        bias[lane[hg]] = b;
+                        bias[lane[hg]] = sg.qb[hg] + fold_key_stats(qs.data() + (size_t)lane[hg] * RKp, q, sc, of, rk);
                     }
                 }
             }
@@ -300,13 +355,8 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
                     const int64_t at = v.per_row ? 0 : v.page_stat(cur, h);
                     const float *sc = v.scale + at, *of = v.offset + at;
                     for (int hg = h * G; hg < (h + 1) * G; ++hg) {
-                        float *a = A.data() + (size_t)hg * RVp, *o = coef + (size_t)hg * sg.RV, pp = P[hg];
-                        if (v.per_row) {
-                            for (int r = 0; r < rv; ++r) o[r] += a[r] + pp;
-                        } else {
-                            for (int r = 0; r < rv; ++r) o[r] += sc[r] * a[r] + of[r] * pp;
-                        }
-                        memset(a, 0, sizeof(float) * RVp);
+                        flush_sums(coef + (size_t)hg * sg.RV, A.data() + (size_t)hg * RVp, v.per_row ? nullptr : sc,
+                                   of, P[hg], rv);
                         P[hg] = 0.f;
                     }
                 }
@@ -336,15 +386,15 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
                 }
                 v.unpack_row(n + i, U.data() + (size_t)i * UW);
             }
-            for (int hg = 0; hg < HG; ++hg) {
-                float *a = A.data() + (size_t)hg * RVp;
-                const float *u = U.data() + voff[hg];
-                for (int c = 0, nc = vchunks[hg]; c < nc; c += 4) {
+            for (int h = 0; h < H; ++h) {
+                float *a = A.data() + (size_t)h * G * RVp;
+                const float *u = U.data() + voff[h], *wh = w.data() + h * G;
+                for (int c = 0, nc = vchunks[h]; c < nc; c += 4) {
                     switch (std::min(4, nc - c)) {
-                        case 1: weigh_rows<1>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb); break;
-                        case 2: weigh_rows<2>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb); break;
-                        case 3: weigh_rows<3>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb); break;
-                        default: weigh_rows<4>(a + 8 * c, u + 8 * c, UW, w.data() + hg, HGp, nb);
+                        case 1: weigh_heads<1>(a + 8 * c, RVp, u + 8 * c, UW, wh, HGp, nb, G); break;
+                        case 2: weigh_heads<2>(a + 8 * c, RVp, u + 8 * c, UW, wh, HGp, nb, G); break;
+                        case 3: weigh_heads<3>(a + 8 * c, RVp, u + 8 * c, UW, wh, HGp, nb, G); break;
+                        default: weigh_heads<4>(a + 8 * c, RVp, u + 8 * c, UW, wh, HGp, nb, G);
                     }
                 }
             }
