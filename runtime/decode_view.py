@@ -184,6 +184,6 @@ def attend_cache(cache: LayerCache, seq: int, q: Tensor, k_new: Tensor | None, v
                  softcap: float | None = None) -> Tensor:
     """``attend_cache_batch`` of one sequence: q [Hq, 1, d], k_new/v_new [Hkv, 1, d] -> [Hq, 1, dv]
     (k_new/v_new None: the new token is already stored)."""
-    stored = k_new is None
-    return attend_cache_batch(cache, [seq], q[None], None if stored else k_new[None], None if stored else v_new[None],
-                              scale, softcap, pending=() if stored else None)[0]
+    if k_new is None:
+        return attend_cache_batch(cache, [seq], q[None], None, None, scale, softcap, pending=())[0]
+    return attend_cache_batch(cache, [seq], q[None], k_new[None], v_new[None], scale, softcap)[0]

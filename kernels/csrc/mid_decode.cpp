@@ -113,7 +113,7 @@ static void weigh_heads(float *a, int a_stride, const float *u, int u_stride, co
     for (int g = 0; g < heads;) {
         const int gg = std::min(most, heads - g);
         float *ag = a + (size_t)g * a_stride;
-        if (gg >= most) weigh_rows<T, most>(ag, a_stride, u, u_stride, w + g, w_stride, nb);
+        if (gg == most) weigh_rows<T, most>(ag, a_stride, u, u_stride, w + g, w_stride, nb);
         else if (gg == 3) weigh_rows<T, 3>(ag, a_stride, u, u_stride, w + g, w_stride, nb);
         else if (gg == 2) weigh_rows<T, 2>(ag, a_stride, u, u_stride, w + g, w_stride, nb);
         else weigh_rows<T, 1>(ag, a_stride, u, u_stride, w + g, w_stride, nb);
