@@ -6,14 +6,19 @@
 // threads, with the GIL released.
 //
 // The arithmetic is written with GCC/Clang vector extensions (8 floats): the compiler maps them to
-// AVX2/FMA under -march=native and to whatever the target has elsewhere, so there is one code path.
+// AVX2/FMA under -march=native and to whatever the target has elsewhere, so there is one code path;
+// the one exception is the unpacking of long 4-bit rows, which has an AVX2 form beside the plain loop.
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor (lighter than torch/extension.h)
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
+#include <memory>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -134,9 +139,12 @@ static inline v8i widen8(const uint8_t *src) {
 
 /* C codes packed `bits` wide (first code in the low bits) as floats; 32 bits: float32 values;
    16 bits: bfloat16 values (the high half of a float32). Plain loops, which the loop vectorizer
-   widens, except short rows of 2- and 4-bit codes (under SHORT_ROW bytes, e.g. a small model's
-   Mid row): the vectorizer leaves those scalar, so they are unpacked 8 bytes at a time with
-   vector shuffles (measured: faster below, slower above). */
+   widens, except 2- and 4-bit codes: short rows (under SHORT_ROW bytes, e.g. a small model's Mid
+   row) are left scalar by the vectorizer, so they are unpacked 8 bytes at a time with vector
+   shuffles (measured: faster below, slower above); long 4-bit rows (the default Mid coding of a
+   large head) are vectorized by the compiler with a float shuffle per 8 codes, so under AVX2 they
+   interleave their nibbles as bytes first (16 bytes at a time: two byte unpacks, then 8 codes per
+   widening). GCC scalarizes that byte shuffle written with vector extensions, hence intrinsics. */
 static inline void unpack(const uint8_t *__restrict src, int C, int bits, float *__restrict u) {
     if (bits == 32) {
         memcpy(u, src, sizeof(float) * C);
@@ -151,6 +159,18 @@ static inline void unpack(const uint8_t *__restrict src, int C, int bits, float 
         for (int c = 0; c < C; ++c) u[c] = (float)src[c];
     } else if (bits == 4) {
         int i = 0;
+#if defined(__AVX2__)
+        for (; C / 2 >= SHORT_ROW && i + 16 <= C / 2; i += 16) {  // 16 bytes: 32 codes, interleaved as bytes
+            const __m128i x = _mm_loadu_si128((const __m128i *)(src + i)), nib = _mm_set1_epi8(15);
+            const __m128i lo = _mm_and_si128(x, nib), hi = _mm_and_si128(_mm_srli_epi16(x, 4), nib);
+            const __m128i a = _mm_unpacklo_epi8(lo, hi), b = _mm_unpackhi_epi8(lo, hi);
+            float *o = u + 2 * i;
+            _mm256_storeu_ps(o, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(a)));
+            _mm256_storeu_ps(o + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))));
+            _mm256_storeu_ps(o + 16, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
+            _mm256_storeu_ps(o + 24, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
+        }
+#endif
         for (; C / 2 < SHORT_ROW && i + 8 <= C / 2; i += 8) {  // 8 bytes: 16 codes, low nibble first
             v8i x = widen8(src + i), lo = x & 15, hi = x >> 4;
             store8(u + 2 * i, __builtin_convertvector(__builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11), v8f));
@@ -297,7 +317,8 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
     const int UW = std::max(k.width(), v.width()) + std::max(RKp, RVp) + 8;  // room for the last chunks
     std::vector<float> qs((size_t)HGp * RKp, 0.f), bias(HGp, 0.f), m(HGp), l(HG), P(HG), A((size_t)HG * RVp);
     const int rb = std::max(4, std::min(32, 8192 / UW));  // pass 2's rows per block: their codes stay in L1
-    std::vector<float> U((size_t)rb * UW, 0.f), w((size_t)rb * HGp), logits;
+    std::vector<float> U((size_t)rb * UW, 0.f), w((size_t)rb * HGp);
+    std::unique_ptr<float[]> logits(new float[(size_t)per * HGp]);  // every row written before it is read: no zeroing
     std::vector<int> koff(HGp, 0), kchunks(HGp / 8, 0), voff(H), vchunks(H);
     for (int x = 0; x < H * Gp; ++x) {  // padding lanes read their kv-head's codes too
         koff[x] = k.starts[x / Gp];
@@ -315,7 +336,6 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
             for (int i = 0; i < HG; ++i) out_lse[i] = -INFINITY;
             continue;
         }
-        logits.resize((size_t)(n1 - n0) * HGp);
         std::fill(m.begin(), m.end(), -INFINITY);
         int cur = -1;
         for (int n = n0; n < n1; ++n) {
@@ -333,7 +353,7 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
             }
             float *u = U.data();
             k.unpack_row(n, u);
-            float *lg = logits.data() + (size_t)(n - n0) * HGp;
+            float *lg = logits.get() + (size_t)(n - n0) * HGp;
             for (int b = 0; b < HGp; b += 8) {
                 int nc = kchunks[b / 8];
                 v8f dots = pick_dots(Gp, nc)(qs.data() + (size_t)b * RKp, RKp, u, koff.data() + b, nc);
@@ -365,7 +385,7 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
             if (n == n1) break;
             int nb = 1;
             while (nb < rb && n + nb < n1 && sg.row_stat[n + nb] == st) ++nb;
-            const float *lg = logits.data() + (size_t)(n - n0) * HGp;
+            const float *lg = logits.get() + (size_t)(n - n0) * HGp;
             for (int i = 0; i < nb; ++i)
                 for (int j = 0; j < HGp; ++j) w[i * HGp + j] = expf(lg[i * HGp + j] - m[j]);
             if (Gp != G)  // lanes to head order: query head hg's weight at hg

@@ -45,8 +45,8 @@ def cases(draw):
     page = draw(st.sampled_from([4, 8, 32]))
     mid_rows = tuple(draw(st.lists(st.integers(0, page), min_size=1, max_size=40)))
     return dict(
-        kv_heads=kv_heads, group=draw(st.sampled_from([1, 4, 8])), dk=draw(st.sampled_from([64, 128])),
-        dv=draw(st.sampled_from([32, 64, 128])), exact=draw(st.sampled_from([0, 1, 5])),
+        kv_heads=kv_heads, group=draw(st.sampled_from([1, 4, 8])), dk=draw(st.sampled_from([64, 72, 128])),
+        dv=draw(st.sampled_from([32, 40, 64, 128])), exact=draw(st.sampled_from([0, 1, 5])),
         recent_pages=draw(st.integers(0, 1)), page_size=page, mid_page_rows=mid_rows + (1,),
         mid_bits=draw(st.sampled_from([2, 4, 8])), seed=draw(st.integers(0, 2**16)), projected=False,
     )
@@ -64,6 +64,19 @@ def test_c_kernel_matches_float64_reference(case, threads, softcap):
     bound = capped_bound(q, segs, scale, softcap)
     err = (out.double() - ref).abs().max().item()
     assert err <= bound, (err, bound)
+
+
+@pytest.mark.parametrize("kv_heads, dk", [(3, 72), (2, 128), (1, 136)])
+def test_long_four_bit_rows(kv_heads, dk):
+    """Mid rows of 108, 128 and 68 bytes: the kernel unpacks long 4-bit rows 16 bytes at a time
+    and any tail code by code."""
+    case = dict(kv_heads=kv_heads, group=4, dk=dk, dv=dk, exact=1, recent_pages=1, page_size=8,
+                mid_page_rows=(8, 3, 0, 8, 1), mid_bits=4, seed=dk, projected=False)
+    segs = synthetic_segments(**case)
+    q = 3 * torch.randn(kv_heads * 4, dk, generator=torch.Generator().manual_seed(dk))
+    out = decode_on_threads(q, segs, dk**-0.5, 1)
+    ref = reference_decode(q, segs, dk**-0.5)
+    assert (out.double() - ref).abs().max().item() <= capped_bound(q, segs, dk**-0.5, None)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
