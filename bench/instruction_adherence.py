@@ -15,8 +15,9 @@ Measured (--quick, 4 prompts of 612-760 tokens, 60-73 of them the system prompt,
 the full cache kept 1/4 rules and recalled 4/4 facts: SmolLM2-135M does not follow the three
 format rules even uncompressed (it answers "The special magic number for ... is ..."), and keeps
 the code word only because it never knew it ("The code word is "Ellipsis""), so on this model the
-benchmark cannot show a rule forgotten under compression. topo: rules 1/4, facts 0/4 at 2.24x,
-protected 1/4, 1/4 at 1.82x; snapkv: 1/4, 0/4 at 1.90x, protected 1/4, 0/4 at 1.59x.
+benchmark cannot show a rule forgotten under compression. topo: rules 1/4, facts 3/4 at 1.94x,
+protected 1/4, 3/4 at 1.60x; snapkv: 1/4, 0/4 at 0.97x, protected 1/4, 0/4 at 0.88x (its exact
+float32 Recent window exceeds the budget at these lengths).
 """
 
 import argparse
