@@ -291,12 +291,15 @@ static inline void flush_sums(float *__restrict o, float *__restrict a, const fl
      logit = qb + q . (scale * code + offset) = (qb + q . offset) + (q * scale) . code
    Value statistics per page are applied once per page to code sums,
      sum_n p_n value_n = scale * sum_n p_n code_n + offset * sum_n p_n,
-   per row they are folded into the weights (p_n * scale_n, and p_n * offset_n summed).
+   per row they are folded into the weights (p_n * scale_n, and p_n * offset_n summed), so the
+   sums run over the whole split with no flush per page (a Mid page keeps only its survivors:
+   a few rows, against a flush of every query head's columns).
    Pass 1: logits of every row (8 query heads at a time: eight dots reduced together) and their
-   max; pass 2: softmax weights and the weighted value codes, a block of rows of one page at a
-   time (a kv-head's query heads weigh each loaded chunk of its codes together, their sums held
-   in registers over the block). Each head's dots run over whole 8-column chunks: the query is
-   zero beyond the head's rank, and value columns beyond it are never read back.
+   max; pass 2: softmax weights and the weighted value codes, a block of rows at a time (within
+   one page when value statistics are per page; a kv-head's query heads weigh each loaded chunk
+   of its codes together, their sums held in registers over the block). Each head's dots run
+   over whole 8-column chunks: the query is zero beyond the head's rank, and value columns beyond
+   it are never read back.
    cap > 0: every logit becomes cap * tanh(logit / cap) before the max and the softmax. */
 static void run_splits(Segment &sg, int s0, int s1, float cap) {
     const int H = sg.H, G = sg.G, HG = H * G, RKp = round8(sg.RK), RVp = round8(sg.RV);
@@ -369,7 +372,8 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
         cur = sg.row_stat[n0];
         for (int n = n0; n <= n1;) {
             int st = n < n1 ? sg.row_stat[n] : -1;
-            if (st != cur) {  // flush the page's sums (through its statistics when per page)
+            // Flush a page's sums through its statistics; per-row ones: once, at the split's end.
+            if (st != cur && (!v.per_row || n == n1)) {
                 for (int h = 0; h < H; ++h) {
                     const int rv = v.ranks[h];
                     const int64_t at = v.per_row ? 0 : v.page_stat(cur, h);
@@ -380,11 +384,11 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
                         P[hg] = 0.f;
                     }
                 }
-                cur = st;
             }
+            cur = st;
             if (n == n1) break;
             int nb = 1;
-            while (nb < rb && n + nb < n1 && sg.row_stat[n + nb] == st) ++nb;
+            while (nb < rb && n + nb < n1 && (v.per_row || sg.row_stat[n + nb] == st)) ++nb;
             const float *lg = logits.get() + (size_t)(n - n0) * HGp;
             for (int i = 0; i < nb; ++i)
                 for (int j = 0; j < HGp; ++j) w[i * HGp + j] = expf(lg[i * HGp + j] - m[j]);
