@@ -25,6 +25,9 @@ from kvtopo.kernels.scoring import expfree_scores
 # same achieved bytes (3.49x / 3.84x).
 SUCCESSORS = 16
 
+# Weight of the low-norm prior against the window's credit (both as shares of the head's total).
+KEY_NORM_WEIGHT = 1.0
+
 
 def carry_forward(score: torch.Tensor, successors: int = SUCCESSORS) -> torch.Tensor:
     """score[h, t] -> max(score[h, t - successors .. t]): each token's score reaches the next
@@ -35,11 +38,27 @@ def carry_forward(score: torch.Tensor, successors: int = SUCCESSORS) -> torch.Te
     return F.max_pool1d(padded, successors + 1, stride=1)[:, 0]
 
 
+def shares(score: torch.Tensor) -> torch.Tensor:
+    """Each head's scores as fractions of that head's total over the tokens ranked together."""
+    return score / score.sum(-1, keepdim=True).clamp_min(torch.finfo(score.dtype).tiny)
+
+
+def low_norm_prior(keys: torch.Tensor) -> torch.Tensor:
+    """[Hkv, n, d] -> [Hkv, n] in [0, 1]: 1 for the head's smallest squared key norm, 0 for its
+    largest. A query that has not been asked yet attends most to low-norm keys (the KNorm
+    observation), so this is the part of a token's worth that the window's queries cannot see."""
+    norms = keys.float().square().sum(-1)
+    top = norms.amax(-1, keepdim=True)
+    return (top - norms) / (top - norms.amin(-1, keepdim=True)).clamp_min(torch.finfo(norms.dtype).tiny)
+
+
 def topo_scores(queries: torch.Tensor, keys: torch.Tensor, scale, margin: float, num_queries=None) -> torch.Tensor:
-    """The topo policy's token scores [Hkv, n]: exp-free importance carried forward. The store
-    calls it on live tensors; export/compressor.py traces it into the exported page compressor
-    (with `num_queries` masking the fixed window's padding)."""
-    return carry_forward(expfree_scores(queries, keys, scale, margin, num_queries))
+    """The topo policy's token scores [Hkv, n]: the window's exp-free credit plus the low-norm
+    prior, each as the head's shares, carried forward. The store calls it on live tensors;
+    export/compressor.py traces it into the exported page compressor (with `num_queries` masking
+    the fixed window's padding)."""
+    credit = shares(expfree_scores(queries, keys, scale, margin, num_queries))
+    return carry_forward(credit + KEY_NORM_WEIGHT * shares(low_norm_prior(keys)))
 
 
 from .base import MidEncoding, Policy, ScoreInputs

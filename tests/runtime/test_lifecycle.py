@@ -12,7 +12,7 @@ from kvtopo.runtime.layer_cache import LayerCache, best_tokens
 from kvtopo.runtime.lifecycle import BudgetExceeded
 from kvtopo.runtime.phases import Phase, PhasePlan
 from kvtopo.runtime.policies import make_policy
-from kvtopo.runtime.policies.topo import SUCCESSORS, carry_forward
+from kvtopo.runtime.policies.topo import SUCCESSORS, carry_forward, low_norm_prior, topo_scores
 
 from store_walk import held_tensor_bytes
 
@@ -273,12 +273,16 @@ def test_pages_one_chunk_pushes_into_mid_share_the_budget_by_tokens():
     assert not stats.budget_missed
 
 
-def _planted_hit(n=1024, dim=32, hit=300, window=4):
-    """Structured K/V and queries whose last `window` positions all look for token `hit`."""
+def _planted_hit(n=1024, dim=32, hit=300, window=32):
+    """Structured K/V and queries whose last `window` positions (a chunk's scoring window at
+    recent_tokens=32) all look for token `hit`."""
     k, v = _structured_kv(n, heads=2, dim=dim, dtype=torch.float16)
-    q = torch.randn(1, 4, n, dim, generator=torch.Generator().manual_seed(1))
-    wanted = q[0, :, -window:].mean(1).reshape(2, 2, dim).mean(1)  # per kv-head: its 2 query heads' mean
-    k[:, hit] = (6 * wanted / wanted.norm(dim=-1, keepdim=True) * dim ** 0.5).half()
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, n, dim, generator=g)
+    wanted = torch.randn(2, dim, generator=g)
+    wanted = wanted / wanted.norm(dim=-1, keepdim=True)  # per kv-head, for both its query heads
+    q[0, :, -window:] += 3 * wanted.repeat_interleave(2, 0)[:, None]
+    k[:, hit] = (6 * wanted * dim ** 0.5).half()
     return q.half(), k, v
 
 
@@ -358,6 +362,34 @@ def test_carry_forward_and_ties_go_to_the_lower_index():
     assert carry_forward(scores, 2).tolist() == [[0.0, 5.0, 5.0, 5.0, 1.0, 1.0, 1.0, 0.0]]
     assert carry_forward(scores, 0).tolist() == scores.tolist()
     assert best_tokens(carry_forward(scores, 2), 2).tolist() == [[1, 2]]  # of the tied 1, 2, 3
+
+
+def test_low_norm_prior_matches_float64_and_spans_zero_to_one():
+    keys = torch.randn(3, 50, 16, generator=torch.Generator().manual_seed(1)).half()
+    norms = keys.double().square().sum(-1)
+    top, bottom = norms.amax(-1, keepdim=True), norms.amin(-1, keepdim=True)
+    expected = (top - norms) / (top - bottom)
+    prior = low_norm_prior(keys)
+    torch.testing.assert_close(prior.double(), expected, rtol=1e-5, atol=1e-6)
+    assert prior.amin(-1).tolist() == [0.0] * 3 and prior.amax(-1).tolist() == [1.0] * 3
+
+
+def test_a_token_no_window_query_reaches_is_ranked_by_its_key_norm():
+    """Query-agnostic compression: the window's queries give tokens far from what they attend
+    no credit, yet a later question may ask for them. topo then prefers a low-norm key, which
+    queries in general attend to more, over a high-norm one; the attended token still ranks
+    first."""
+    dim, attended, high, low = 64, 40, 20, 60  # `low` is past the attended token's successors
+    orthonormal, _ = torch.linalg.qr(torch.randn(dim, dim, generator=torch.Generator().manual_seed(2)))
+    keys = orthonormal.T[None] * dim ** 0.5  # one key per direction: a query sees only its own
+    keys[0, high] *= 2.0
+    keys[0, low] *= 0.5
+    queries = (keys[0, attended] * 2.0).expand(1, 4, dim).clone()
+    credit = kvtopo.kernels.scoring.expfree_scores(queries, keys, dim ** -0.5)
+    assert credit[0].nonzero().flatten().tolist() == [attended]
+    scores = topo_scores(queries, keys, dim ** -0.5, 4.0)
+    assert scores[0, low] > scores[0, high]
+    assert scores[0].argmax() == attended
 
 
 def test_ratio_budget_gives_each_mid_page_its_share_while_fixed_costs_exceed_it():
