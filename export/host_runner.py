@@ -101,7 +101,6 @@ class _Layer(Lifecycle):
         if n:
             self.start_append(self.seq, n, keys.shape[-1], (keys, values))
             self.write(self.seq, n, (keys, values))
-        self.seq.chunk_queries = None
 
     def page_kv(self, page: _Page) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A page's keys and values (values None when they live in the keys)."""
@@ -208,10 +207,9 @@ class _Layer(Lifecycle):
         W, f = lay.observation_window, self.r.float_dtype
         obs = np.zeros((lay.heads, W, lay.head_dim), f)
         nq = 0
-        queries = self.scoring_queries(seq)
-        if queries is not None:
-            nq = queries.shape[1]
-            obs[:, :nq] = queries.float().numpy()
+        if seq.observation is not None:
+            nq = seq.observation.shape[1]
+            obs[:, :nq] = seq.observation.float().numpy()
         P = lay.page_size
         k = np.zeros((lay.kv_heads, P, lay.head_dim), f)
         k[:, :tokens] = keys.float().numpy()

@@ -41,7 +41,6 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from kvtopo.config import Config
-from kvtopo.runtime.lifecycle import scoring_window
 from kvtopo.runtime.phases import Phase, PhasePlan
 from kvtopo.runtime.policies import make_policy
 
@@ -91,7 +90,7 @@ class CacheLayout:
     rank_capacity: int
     recent_bits: int | None
     mid_bits: int | None
-    observation_window: int  # query positions the page compressor takes (lifecycle.scoring_window)
+    observation_window: int
     score_margin: float
     config: dict = field(default_factory=dict)
     shared_value_dim: int | None = None  # MLA: values are the keys' first that many dims
@@ -148,7 +147,7 @@ class CacheLayout:
             recent_pages=plan.recent_pages if recent_bits is not None else 0,
             mid_capacity=max_context, mid_page_capacity=pages,
             rank_capacity=-(-max(head_dim, value_head_dim) // per_byte) * per_byte,
-            recent_bits=recent_bits, mid_bits=mid_bits, observation_window=scoring_window(config),
+            recent_bits=recent_bits, mid_bits=mid_bits, observation_window=config.observation_window,
             score_margin=float(config.score_margin), config=_config_dict(config), shared_value_dim=shared_value_dim,
             mid_projected=mid_projected,
         )

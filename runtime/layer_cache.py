@@ -208,7 +208,6 @@ class LayerCache(Lifecycle):
         finally:
             self._flush(entry)
             entry.planned = {}
-            entry.chunk_queries = None
         if self.window is not None:
             self._drop_outside_window(entry)
 
@@ -439,7 +438,7 @@ class LayerCache(Lifecycle):
         if len(group) < 2:
             return {}
         keys, values, mass = self._group_tokens(entry, group, key, value)
-        scores = self.policy.score(ScoreInputs(keys, values, self.scoring_queries(entry), self.scale, mass)).float()
+        scores = self.policy.score(ScoreInputs(keys, values, entry.observation, self.scale, mass)).float()
         order = scores.view(scores.shape[0], len(group), P).sort(dim=-1, descending=True, stable=True)
         # Value of a page's k-th survivor: the best of the heads' k-th best scores (falls with k,
         # so taking the best values overall takes a prefix of every page's ranking). The max,
@@ -518,7 +517,7 @@ class LayerCache(Lifecycle):
         if keep == 0:
             return keys[:, :0], None if values is None else values[:, :0]
         shown_values = values if values is not None else keys[..., : self.shared_value_dim]
-        scores = self.policy.score(ScoreInputs(keys, shown_values, self.scoring_queries(entry), self.scale,
+        scores = self.policy.score(ScoreInputs(keys, shown_values, entry.observation, self.scale,
                                                entry.pages[index].mass))
         return _gather((keys, values), best_tokens(scores, keep))
 

@@ -36,12 +36,6 @@ REFIT_ROWS_PER_DIM = 4
 # Query heads per kv-head whose observation window is held in full (see observed_positions).
 OBSERVED_GROUP = 8
 
-# A prefill chunk's last queries that rank the pages its own append moves into Mid. They exist
-# anyway while the chunk is attended, so they cost no held bytes; only `observation_window` of
-# them are kept for later appends. Capped at `recent_tokens`, so they all come after the tokens
-# they rank.
-CHUNK_SCORING_WINDOW = 128
-
 
 def observed_positions(window: int, q_heads: int, kv_heads: int) -> int:
     """Query positions the observation window holds: `window`, or proportionally fewer (at
@@ -51,12 +45,6 @@ def observed_positions(window: int, q_heads: int, kv_heads: int) -> int:
     cache."""
     group = max(1, q_heads // max(1, kv_heads))
     return window if group <= OBSERVED_GROUP else max(1, window * OBSERVED_GROUP // group)
-
-
-def scoring_window(config: Config) -> int:
-    """Most query positions that rank tokens at once (before `observed_positions`): a prefill
-    chunk's wider window, or the held one if that is larger."""
-    return max(config.observation_window, min(CHUNK_SCORING_WINDOW, config.recent_tokens))
 
 
 class BudgetExceeded(RuntimeError):
@@ -112,7 +100,6 @@ class SequenceState:
     mid: object = None  # the executor's Mid epoch that pages enter now (None before the first)
     next_refit: int | None = None  # the length at which the next Mid epoch starts
     observation: torch.Tensor | None = None  # the latest queries [Hq, W, d] float16
-    chunk_queries: torch.Tensor | None = None  # this append's wider scoring window; dropped when it ends
 
 
 class Lifecycle:
@@ -137,14 +124,6 @@ class Lifecycle:
         if seq.observation is not None:
             recent = torch.cat([seq.observation, recent], dim=1)[:, -window:]
         seq.observation = recent.clone()
-        wider = observed_positions(scoring_window(self.config), queries.shape[0], kv_heads)
-        seq.chunk_queries = queries[:, -wider:].detach().to(torch.float16) if queries.shape[1] > window and wider > window else None
-
-    @staticmethod
-    def scoring_queries(seq: SequenceState) -> torch.Tensor | None:
-        """The queries that rank tokens now: the current chunk's wider window while its append
-        runs, else the held observation window."""
-        return seq.chunk_queries if seq.chunk_queries is not None else seq.observation
 
     def start_append(self, seq: SequenceState, tokens: int, head_dim: int, chunk) -> None:
         """Before `tokens` new tokens (`chunk`, the executor's) are written: start the Mid epoch

@@ -273,16 +273,12 @@ def test_pages_one_chunk_pushes_into_mid_share_the_budget_by_tokens():
     assert not stats.budget_missed
 
 
-def _planted_hit(n=1024, dim=32, hit=300, window=32):
-    """Structured K/V and queries whose last `window` positions (a chunk's scoring window at
-    recent_tokens=32) all look for token `hit`."""
+def _planted_hit(n=1024, dim=32, hit=300, window=4):
+    """Structured K/V and queries whose last `window` positions all look for token `hit`."""
     k, v = _structured_kv(n, heads=2, dim=dim, dtype=torch.float16)
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 4, n, dim, generator=g)
-    wanted = torch.randn(2, dim, generator=g)
-    wanted = wanted / wanted.norm(dim=-1, keepdim=True)  # per kv-head, for both its query heads
-    q[0, :, -window:] += 3 * wanted.repeat_interleave(2, 0)[:, None]
-    k[:, hit] = (6 * wanted * dim ** 0.5).half()
+    q = torch.randn(1, 4, n, dim, generator=torch.Generator().manual_seed(1))
+    wanted = q[0, :, -window:].mean(1).reshape(2, 2, dim).mean(1)  # per kv-head: its 2 query heads' mean
+    k[:, hit] = (6 * wanted / wanted.norm(dim=-1, keepdim=True) * dim ** 0.5).half()
     return q.half(), k, v
 
 
