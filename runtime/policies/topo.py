@@ -86,8 +86,7 @@ class Topo(Policy):
         a needle that one head reads loses its tail (SmolLM2, bench/real_quality.py, 2K-token
         number needles in bfloat16, validation seeds 1000-1019: 0.90 -> 1.00 at 4.01x, 0.75 ->
         1.00 at 4.38x, the same bytes)."""
-        total = scores.flatten(1).sum(1).clamp_min(torch.finfo(scores.dtype).tiny)
-        return scores / total.view(-1, *(1,) * (scores.dim() - 1))
+        return shares(scores.flatten(1)).view_as(scores)
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         if inputs.queries is None:
