@@ -45,7 +45,9 @@ class ScoreInputs:
     keys/values: the page's tokens [Hkv, n, d]; queries: the latest observation-window queries
     [Hq, W, d] of this sequence and layer; scale: the attention's softmax scale;
     attention_mass: accumulated softmax mass each token received while it was Terminal/Recent
-    [Hkv, n] (only tracked for policies that ask for it).
+    [Hkv, n] (only tracked for policies that ask for it); chunk_queries: the appending prefill
+    chunk's own last queries [Hq, C, d], every one after every ranked token (None outside a
+    prefill chunk's joint plan).
     """
 
     keys: torch.Tensor
@@ -53,6 +55,7 @@ class ScoreInputs:
     queries: torch.Tensor | None
     scale: float
     attention_mass: torch.Tensor | None = None
+    chunk_queries: torch.Tensor | None = None
 
 
 class Policy:

@@ -55,12 +55,17 @@ def low_norm_prior(keys: torch.Tensor) -> torch.Tensor:
     return (top - norms) / (top - norms.amin(-1, keepdim=True)).clamp_min(torch.finfo(norms.dtype).tiny)
 
 
-def topo_scores(queries: torch.Tensor, keys: torch.Tensor, scale, margin: float, num_queries=None) -> torch.Tensor:
-    """The topo policy's token scores [Hkv, n]: the window's exp-free credit plus the low-norm
-    prior, each as the head's shares, carried forward. The store calls it on live tensors;
+def topo_scores(queries: torch.Tensor, keys: torch.Tensor, scale, margin: float, num_queries=None,
+                chunk_queries: torch.Tensor | None = None) -> torch.Tensor:
+    """The topo policy's token scores [Hkv, n]: the window's exp-free credit, a prefill chunk's
+    own queries' credit (`chunk_queries`, when given) and the low-norm prior, each as the head's
+    shares, carried forward. Each part as shares, so the window (a question's few queries) keeps
+    its say however many document queries the chunk adds. The store calls it on live tensors;
     export/compressor.py traces it into the exported page compressor (with `num_queries` masking
-    the fixed window's padding)."""
+    the fixed window's padding; it ranks one page at a time, without a chunk's queries)."""
     credit = shares(expfree_scores(queries, keys, scale, margin, num_queries))
+    if chunk_queries is not None:
+        credit = credit + shares(expfree_scores(chunk_queries, keys, scale, margin))
     return carry_forward(credit + KEY_NORM_WEIGHT * shares(low_norm_prior(keys)))
 
 
@@ -91,4 +96,5 @@ class Topo(Policy):
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         if inputs.queries is None:
             return inputs.keys.new_zeros(inputs.keys.shape[:2])
-        return topo_scores(inputs.queries, inputs.keys, inputs.scale, self.config.score_margin)
+        return topo_scores(inputs.queries, inputs.keys, inputs.scale, self.config.score_margin,
+                           chunk_queries=inputs.chunk_queries)

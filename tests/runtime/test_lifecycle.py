@@ -388,6 +388,43 @@ def test_a_token_no_window_query_reaches_is_ranked_by_its_key_norm():
     assert scores[0].argmax() == attended
 
 
+@pytest.mark.parametrize("chunk_queries", [128, 4])
+def test_a_prefill_chunk_ranks_its_pages_by_its_own_queries_too(chunk_queries, monkeypatch):
+    """A token that queries of the prefill chunk read, but none in the held window (4 queries),
+    survives the chunk's own eviction: the chunk's last `CHUNK_QUERIES` queries rank the pages it
+    moves beside the window (with only the window's 4 it is evicted). They are dropped once the
+    chunk is stored: the held bytes are what they were."""
+    import kvtopo.runtime.lifecycle as lifecycle
+
+    monkeypatch.setattr(lifecycle, "CHUNK_QUERIES", chunk_queries)
+    n, dim, hit = 1024, 32, 300
+    k, v = _structured_kv(n, heads=2, dim=dim, dtype=torch.float16)
+    q = torch.randn(1, 4, n, dim, generator=torch.Generator().manual_seed(1))
+    direction = torch.randn(dim, generator=torch.Generator().manual_seed(3))
+    direction = direction / direction.norm()
+    q -= (q @ direction)[..., None] * direction  # no other query sees the hit
+    readers = slice(n - 30, n - 4)  # after every Mid token, before the window
+    q[0, :, readers] = 10 * direction
+    k[:, hit] = (2 * direction * dim ** 0.5).half()
+    plans, original = [], LayerCache._plan_joint_eviction
+
+    def spy(self, entry, key, value):
+        plans.append(original(self, entry, key, value))
+        return plans[-1]
+
+    monkeypatch.setattr(LayerCache, "_plan_joint_eviction", spy)
+    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0, observation_window=4)
+    with kvtopo.session(config) as s:
+        s.attend("l", q.half(), k[None], v[None], None, dim ** -0.5)
+        entry = s.layers["l"].sequences[0]
+        assert entry.chunk_queries is None and entry.observation.shape[1] == 4
+        assert s.stats().total_bytes == held_tensor_bytes(s.layers["l"])
+    plan = next(p for p in plans if p)
+    kept = {page * 16 + int(t) for page, rows in plan.items() for t in rows[0]}
+    assert hit // 16 in plan
+    assert (hit in kept) == (chunk_queries == 128), sorted(kept)
+
+
 def test_ratio_budget_gives_each_mid_page_its_share_while_fixed_costs_exceed_it():
     """Under over_budget="evict", a ratio budget that the exact pages and metadata alone exceed
     (short sequences) does not wipe out the early context: each Mid page keeps at least its own
