@@ -425,6 +425,28 @@ def test_a_prefill_chunk_ranks_its_pages_by_its_own_queries_too(chunk_queries, m
     assert (hit in kept) == (chunk_queries == 128), sorted(kept)
 
 
+@pytest.mark.parametrize("policy", ["topo", "snapkv"])
+def test_joint_plan_counts_what_the_append_leaves_beside_its_mid_rows(policy, monkeypatch):
+    """The joint plan's room is the budget less what the sequence-layer holds at the append's
+    end besides the group's Mid rows: exact and Recent pages and metadata, the block table as
+    it will be (not as it was before the append opened its pages)."""
+    projected, original = [], LayerCache._bytes_beside_group
+
+    def spy(self, entry, group, count):
+        projected.append(original(self, entry, group, count))
+        return projected[-1]
+
+    monkeypatch.setattr(LayerCache, "_bytes_beside_group", spy)
+    q, k, v = _planted_hit()
+    config = kvtopo.Config(policy=policy, page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0,
+                           observation_window=4)
+    with kvtopo.session(config) as s:
+        s.attend("l", q, k[None], v[None], None, 32 ** -0.5)
+        stats = s.stats()
+    assert len(projected) == 1
+    assert projected[0] == stats.total_bytes - stats.per_kind["mid"], (projected, stats.per_kind)
+
+
 def test_ratio_budget_gives_each_mid_page_its_share_while_fixed_costs_exceed_it():
     """Under over_budget="evict", a ratio budget that the exact pages and metadata alone exceed
     (short sequences) does not wipe out the early context: each Mid page keeps at least its own
