@@ -282,20 +282,25 @@ def _planted_hit(n=1024, dim=32, hit=300, window=4):
     return q.half(), k, v
 
 
+def _record(monkeypatch, method: str) -> list:
+    """Every result of LayerCache.<method>, in call order, as the store goes on using them."""
+    results, original = [], getattr(LayerCache, method)
+
+    def spy(self, *args):
+        results.append(original(self, *args))
+        return results[-1]
+
+    monkeypatch.setattr(LayerCache, method, spy)
+    return results
+
+
 @pytest.mark.parametrize("policy", ["topo", "snapkv"])
 def test_one_appends_pages_share_its_room_by_score(policy, monkeypatch):
     """eviction_scope="append" (the default): the pages a chunk moves into Mid are ranked
     together, so the room goes where the latest queries look -- the planted hit survives in
     every head (for topo with the tokens after it, which decoding reads next) -- while other
     pages keep little or nothing; the budget still holds."""
-    plans = []
-    original = LayerCache._plan_joint_eviction
-
-    def spy(self, entry, key, value):
-        plans.append(original(self, entry, key, value))
-        return plans[-1]
-
-    monkeypatch.setattr(LayerCache, "_plan_joint_eviction", spy)
+    plans = _record(monkeypatch, "_plan_joint_eviction")
     q, k, v = _planted_hit()
     config = kvtopo.Config(policy=policy, page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0,
                            over_budget="raise", observation_window=4)
@@ -333,18 +338,12 @@ def test_a_run_one_head_reads_keeps_its_pages_when_another_head_spreads(compared
     monkeypatch.setattr(Topo, "score", designed)
     if compared == "raw":
         monkeypatch.setattr(Topo, "across_heads", lambda self, scores: scores)
-    plans, original = [], LayerCache._plan_joint_eviction
-
-    def spy(self, entry, key, value):
-        plans.append((original(self, entry, key, value), entry))
-        return plans[-1][0]
-
-    monkeypatch.setattr(LayerCache, "_plan_joint_eviction", spy)
+    plans = _record(monkeypatch, "_plan_joint_eviction")
     q, k, v = _planted_hit()
     config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0, observation_window=4)
     with kvtopo.session(config) as s:
         s.attend("l", q, k[None], v[None], None, 32 ** -0.5)
-    plan = next(p for p, _ in plans if p)
+    plan = next(p for p in plans if p)
     group = sorted(plan)
     kept = {group.index(page) * 16 + int(t) for page, rows in plan.items() for t in rows[1]}
     if compared == "shares":
@@ -406,13 +405,7 @@ def test_a_prefill_chunk_ranks_its_pages_by_its_own_queries_too(chunk_queries, m
     readers = slice(n - 30, n - 4)  # after every Mid token, before the window
     q[0, :, readers] = 10 * direction
     k[:, hit] = (2 * direction * dim ** 0.5).half()
-    plans, original = [], LayerCache._plan_joint_eviction
-
-    def spy(self, entry, key, value):
-        plans.append(original(self, entry, key, value))
-        return plans[-1]
-
-    monkeypatch.setattr(LayerCache, "_plan_joint_eviction", spy)
+    plans = _record(monkeypatch, "_plan_joint_eviction")
     config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0, observation_window=4)
     with kvtopo.session(config) as s:
         s.attend("l", q.half(), k[None], v[None], None, dim ** -0.5)
@@ -430,13 +423,7 @@ def test_joint_plan_counts_what_the_append_leaves_beside_its_mid_rows(policy, mo
     """The joint plan's room is the budget less what the sequence-layer holds at the append's
     end besides the group's Mid rows: exact and Recent pages and metadata, the block table as
     it will be (not as it was before the append opened its pages)."""
-    projected, original = [], LayerCache._bytes_beside_group
-
-    def spy(self, entry, group, count):
-        projected.append(original(self, entry, group, count))
-        return projected[-1]
-
-    monkeypatch.setattr(LayerCache, "_bytes_beside_group", spy)
+    projected = _record(monkeypatch, "_bytes_beside_group")
     q, k, v = _planted_hit()
     config = kvtopo.Config(policy=policy, page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0,
                            observation_window=4)
