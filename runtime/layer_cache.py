@@ -500,7 +500,7 @@ class LayerCache(Lifecycle):
         metadata."""
         phases = self.plan.counts(count)  # the group's pages are all Mid at the end
         recent, exact = phases[Phase.RECENT], phases[Phase.INITIAL] + phases[Phase.TERMINAL]
-        slots = exact + (recent if self.recent_bits is None else 0)  # the block table at the end
+        slots = sum(n for phase, n in phases.items() if self.stays_exact(phase))  # the block table at the end
         metadata = self._metadata_nbytes(entry) + (slots - entry.block_table.numel()) * entry.block_table.element_size()
         held = self.mid_nbytes(entry) + metadata
         return held + exact * self.pool.page_nbytes + (recent * self._recent_page_nbytes if recent else 0)

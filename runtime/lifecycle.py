@@ -132,8 +132,10 @@ class Lifecycle:
         if not self.mid_encoding.evict:
             return
         window = observed_positions(self.config.observation_window, queries.shape[0], kv_heads)
-        chunk = observed_positions(CHUNK_QUERIES, queries.shape[0], kv_heads)
-        seq.chunk_queries = queries[:, -chunk:].detach().to(torch.float16) if queries.shape[1] > window else None
+        seq.chunk_queries = None
+        if queries.shape[1] > window:  # a prefill chunk, not a decode step
+            chunk = observed_positions(CHUNK_QUERIES, queries.shape[0], kv_heads)
+            seq.chunk_queries = queries[:, -chunk:].detach().to(torch.float16)
         # float16 is plenty for ranking tokens, and halves what the window costs to hold.
         recent = queries[:, -window:].detach().to(torch.float16)
         if seq.observation is not None:
@@ -189,9 +191,7 @@ class Lifecycle:
         page = seq.pages[index]
         if target not in TRANSITIONS.get(page.phase, ()):
             raise RuntimeError(f"illegal page transition {page.phase.value} -> {target.value} (page {index})")
-        relabel = target is Phase.INITIAL or (target is Phase.RECENT and self.recent_bits is None) \
-            or (target is Phase.MID and self.mid_encoding.identity)
-        if not relabel:
+        if not self.stays_exact(target):
             if target is Phase.RECENT:
                 self._encode_recent(seq, page)
             else:
@@ -201,6 +201,11 @@ class Lifecycle:
         page.phase = target
 
     # -- decisions -----------------------------------------------------------------------------
+    def stays_exact(self, phase: Phase) -> bool:
+        """Whether a page in `phase` keeps its exact pool slot (moving there only relabels it)."""
+        return phase in (Phase.INITIAL, Phase.TERMINAL) or (phase is Phase.RECENT and self.recent_bits is None) \
+            or (phase is Phase.MID and self.mid_encoding.identity)
+
     def reaches_mid(self, length: int) -> bool:
         return self.plan.mid_pages(-(-length // self.config.page_size)) > 0
 
