@@ -31,8 +31,8 @@ SUCCESSORS = 16
 # query-aware unchanged at 1.00 (bench/results/real_quality_agnostic_f32/).
 KEY_NORM_WEIGHT = 1.0
 
-# A token between two anchors -- tokens whose window credit is at least BRIDGE_STRENGTH times the
-# head's mean -- no more than BRIDGE_SPAN apart gets the lesser anchor's credit (`bridge`). The
+# A token between two anchors -- tokens whose queries' credit (window and chunk) is at least
+# BRIDGE_STRENGTH times the head's mean -- no more than BRIDGE_SPAN apart gets the lesser anchor's credit (`bridge`). The
 # 16-token carry stops inside a 35-token uuid: SmolLM2, 2K-token uuid needles, float32, nominal 4x
 # (3.51x achieved), query-aware, validation seeds 1000-1019: 0.10 -> 0.30; number needles
 # query-agnostic 0.70 -> 0.70; mean KL on six 2K prose texts (seeds 2000-2005) 0.0168 -> 0.0149.
@@ -83,7 +83,7 @@ def topo_scores(queries: torch.Tensor, keys: torch.Tensor, scale, margin: float,
                 chunk_queries: torch.Tensor | None = None) -> torch.Tensor:
     """The topo policy's token scores [Hkv, n]: the window's exp-free credit, a prefill chunk's
     own queries' credit (`chunk_queries`, when given) and the low-norm prior, each as the head's
-    shares, carried forward; the window's credit also bridges the gap between two strong anchors
+    shares, carried forward; the queries' credit also bridges the gap between two strong anchors
     (`bridge`). Each part as shares, so the window (a question's few queries) keeps
     its say however many document queries the chunk adds. The store calls it on live tensors;
     export/compressor.py traces it into the exported page compressor (with `num_queries` masking
