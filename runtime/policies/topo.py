@@ -32,13 +32,13 @@ SUCCESSORS = 16
 KEY_NORM_WEIGHT = 1.0
 
 # A token between two anchors -- tokens whose queries' credit (window and chunk) is at least
-# BRIDGE_STRENGTH times the head's mean -- no more than BRIDGE_SPAN apart gets the lesser anchor's credit (`bridge`). The
-# 16-token carry stops inside a 35-token uuid: SmolLM2, 2K-token uuid needles, float32, nominal 4x
-# (3.51x achieved), query-aware, validation seeds 1000-1019: 0.10 -> 0.30; number needles
-# query-agnostic 0.70 -> 0.70; mean KL on six 2K prose texts (seeds 2000-2005) 0.0168 -> 0.0149.
-# Tried beside it and rejected on the same uuid seeds: a KeyDiff-like prior (keys unlike the
-# head's mean key) 0.10 alone, 0.30 with the bridge; a carry whose reach grows with the anchor's
-# credit (slope 0.25 or 0.5 of the mean per token) 0.25 with the bridge.
+# BRIDGE_STRENGTH times the head's mean -- no more than BRIDGE_SPAN apart gets the lesser anchor's
+# credit (`bridge`). The 16-token carry stops inside a 35-token uuid: SmolLM2, 2K-token uuid
+# needles, float32, nominal 4x (3.51x achieved), query-aware, validation seeds 1000-1019: 0.10 ->
+# 0.30; number needles query-agnostic 0.70 -> 0.70; mean KL on six 2K prose texts (seeds 2000-2005)
+# 0.0168 -> 0.0149. Tried beside it and rejected on the same uuid seeds: a KeyDiff-like prior (keys
+# unlike the head's mean key) 0.10 alone, 0.30 with the bridge; a carry whose reach grows with the
+# anchor's credit (slope 0.25 or 0.5 of the mean per token) 0.25 with the bridge.
 BRIDGE_STRENGTH = 8.0
 BRIDGE_SPAN = 48
 
