@@ -12,7 +12,8 @@ from kvtopo.runtime.layer_cache import LayerCache, best_tokens
 from kvtopo.runtime.lifecycle import BudgetExceeded
 from kvtopo.runtime.phases import Phase, PhasePlan
 from kvtopo.runtime.policies import make_policy
-from kvtopo.runtime.policies.topo import SUCCESSORS, bridge, carry_forward, low_norm_prior, topo_scores
+from kvtopo.runtime.policies.topo import (ANCHOR_REACH, SUCCESSORS, anchor_reach, carry_forward, low_norm_prior,
+                                          topo_scores)
 
 from store_walk import held_tensor_bytes
 
@@ -359,36 +360,37 @@ def test_carry_forward_and_ties_go_to_the_lower_index():
     assert best_tokens(carry_forward(scores, 2), 2).tolist() == [[1, 2]]  # of the tied 1, 2, 3
 
 
-def test_bridge_fills_only_between_two_anchors_within_reach():
-    """Tokens between two anchors (credit >= strength x the head's mean) no more than `span`
-    apart get the lesser anchor's credit, and an anchor its own; a lone anchor, a weak token or
-    anchors too far apart bridge nothing."""
+def test_anchor_reach_carries_only_anchors_credit_and_only_as_far_as_reach():
+    """An anchor (credit >= strength x the head's mean) passes its credit to the next `reach`
+    tokens, the later of two overlapping anchors taking over where it is larger; a token below
+    the strength passes on nothing; reach 0 leaves the anchors alone."""
     credit = torch.zeros(2, 40)
-    credit[0, [5, 12]] = torch.tensor([9.0, 6.0])  # 7 apart: bridged
-    credit[0, 30] = 8.0  # 18 after 12: beyond the span of 8
-    credit[1, [5, 12]] = torch.tensor([9.0, 0.3])  # the second is weak: below 4 x mean
-    bridged = bridge(credit, strength=4.0, span=8)
+    credit[0, [5, 9]] = torch.tensor([6.0, 9.0])  # 9 is inside 5's reach: it takes over
+    credit[1, [5, 20]] = torch.tensor([9.0, 0.3])  # 20 is weak: below 4 x mean
+    reached = anchor_reach(credit, strength=4.0, reach=8)
     expected = torch.zeros(2, 40)
-    expected[0, 5:13] = 6.0
-    expected[:, 5] = 9.0
-    expected[0, 30] = 8.0
-    assert bridged.tolist() == expected.tolist()
-    assert bridge(credit, strength=4.0, span=0).abs().sum() == 0
+    expected[0, 5:9] = 6.0
+    expected[0, 9:18] = 9.0
+    expected[1, 5:14] = 9.0
+    assert reached.tolist() == expected.tolist()
+    anchors_only = credit.clone()
+    anchors_only[1, 20] = 0.0
+    assert anchor_reach(credit, strength=4.0, reach=0).tolist() == anchors_only.tolist()
 
 
-def test_topo_keeps_what_lies_between_two_attended_tokens_beyond_the_carry():
-    """Queries that read a needle's key (token 5) and the end of its sentence (token 40) make
-    topo rank the 35 tokens between them -- past the key's SUCCESSORS -- above the tokens after
-    the sentence, which only the carry from token 40 and the low-norm prior reach."""
-    dim, key, end = 64, 5, 40
-    assert end - key > SUCCESSORS + 1
+def test_topo_keeps_a_long_span_after_a_strongly_attended_token():
+    """Queries that read a needle's key (token 5) make topo rank the tokens past the key's
+    SUCCESSORS, up to ANCHOR_REACH after it, above every token beyond that reach (which only
+    the low-norm prior and faint credit reach): a 35-token uuid after its key is kept to its end."""
+    dim, key = 96, 5
+    assert ANCHOR_REACH > SUCCESSORS + 1
     orthonormal, _ = torch.linalg.qr(torch.randn(dim, dim, generator=torch.Generator().manual_seed(3)))
     keys = orthonormal.T[None] * dim ** 0.5
-    queries = torch.stack([keys[0, key], keys[0, end]])[None] * 2.0  # [1, 2, dim]
+    queries = keys[:, [key]] * 2.0  # [1, 1, dim]
     scores = topo_scores(queries, keys, dim ** -0.5, 4.0)[0]
-    between = scores[key + SUCCESSORS + 1:end]
-    after = scores[end + SUCCESSORS + 1:]
-    assert between.min() > after.max(), (between.min(), after.max())
+    reached = scores[key + SUCCESSORS + 1:key + ANCHOR_REACH + 1]
+    beyond = scores[key + ANCHOR_REACH + 1:]
+    assert reached.min() > beyond.max(), (reached.min(), beyond.max())
 
 
 def test_low_norm_prior_matches_float64_and_spans_zero_to_one():
