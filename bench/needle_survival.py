@@ -64,16 +64,11 @@ def kept_in_span(plan: dict, page_size: int, kv_heads: int, span: tuple[int, int
     return kept.sum(-1).tolist()
 
 
-def answer_span(tokenizer, ids: list[int], answer: str) -> tuple[int, int]:
+def answer_span(prompts: RQ.Prompts, ids: list[int], answer: str) -> tuple[int, int]:
     """The fewest tokens [start, end) of `ids` whose decoding contains `answer`."""
-    if answer not in tokenizer.decode(ids):
-        raise ValueError(f"the context does not contain the answer {answer!r}")
-    lo, end = 0, len(ids)  # the shortest prefix containing it, by bisection
-    while end - lo > 1:
-        mid = (lo + end) // 2
-        lo, end = (lo, mid) if answer in tokenizer.decode(ids[:mid]) else (mid, end)
+    end = prompts.end_of(answer, ids)
     start = end - 1
-    while answer not in tokenizer.decode(ids[start:end]):
+    while answer not in prompts.tokenizer.decode(ids[start:end]):
         start -= 1
     return start, end
 
@@ -122,7 +117,7 @@ def main(argv=None) -> dict:
         example = R.make_example(args.task, args.length, seed, prompts.count)
         segments = prompts.segments(example)
         question = example.questions[0]
-        span = answer_span(tokenizer, segments["context"], question.answers[0])
+        span = answer_span(prompts, segments["context"], question.answers[0])
         turns, max_new = RQ.conversation(segments, args.setting)
         with recorded_plans() as plans:
             answers, memory = RQ.run_kvtopo(model, config, turns, max_new, eos)

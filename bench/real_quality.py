@@ -221,15 +221,15 @@ class Prompts:
         """context ids (template prefix, instruction, document), then per question the ids that
         follow: the first question's rest of the prompt, later questions' next user turn."""
         ids = self.chat_prompt(self.tokenizer, example.user(0))[0].tolist()
-        split = self._end_of(example.context, ids)
+        split = self.end_of(example.context, ids)
         questions = [ids[split:]] + [self._next_turn(q.text) for q in example.questions[1:]]
         return dict(context=ids[:split], questions=questions, max_new=[q.max_new_tokens for q in example.questions])
 
-    def _end_of(self, text: str, ids: list[int]) -> int:
+    def end_of(self, text: str, ids: list[int]) -> int:
         """The fewest leading tokens whose decoding contains `text`."""
         lo, hi = 0, len(ids)
         if text not in self.tokenizer.decode(ids):
-            raise ValueError("the chat prompt does not contain the example's context verbatim")
+            raise ValueError(f"the token ids do not contain {text[:60]!r} verbatim")
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if text in self.tokenizer.decode(ids[:mid]) else (mid, hi)
