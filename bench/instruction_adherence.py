@@ -1,23 +1,20 @@
 """Instruction adherence under compression on SmolLM2-135M-Instruct, with and without protected spans.
 
-    python bench/instruction_adherence.py            # 4 rules x 3 examples, ~1K-token documents
-    python bench/instruction_adherence.py --quick    # 4 rules x 1 example, ~500 tokens, topo and snapkv
+    python bench/instruction_adherence.py            # 6 rules x 3 examples, ~2K-token documents, 5 policies
+    python bench/instruction_adherence.py --quick    # 6 rules x 1 example, ~1K tokens, topo and snapkv
+    python bench/instruction_adherence.py --rules name closing_time --policies topo snapkv --examples 4
 
-Each example (models/instruction_tasks.py): a system prompt with one rule code can check
-(uppercase, an "Answer:" prefix, a closing DONE, a code word never revealed), a document with one
-number fact, a question about it; the whole prompt in one prefill chunk (query-aware), 48 greedy
-tokens. Every compressing policy runs twice: as is, and with ``protected_spans`` covering the
-system prompt's tokens (its pages stay exact). Rows: rule adherence, fact recall and the achieved
-``ratio_vs_fp16``. Float32 model compiled without Inductor (exact pages cost twice their fp16 bytes).
-Writes bench/results/instruction_adherence[_quick].json.
-
-Measured (--quick, 4 prompts of 612-760 tokens, 60-73 of them the system prompt, nominal 8x):
-the full cache kept 1/4 rules and recalled 4/4 facts: SmolLM2-135M does not follow the three
-format rules even uncompressed (it answers "The special magic number for ... is ..."), and keeps
-the code word only because it never knew it ("The code word is "Ellipsis""), so on this model the
-benchmark cannot show a rule forgotten under compression. topo: rules 1/4, facts 3/4 at 1.94x,
-protected 1/4, 3/4 at 1.60x; snapkv: 1/4, 0/4 at 0.97x, protected 1/4, 0/4 at 0.88x (its exact
-float32 Recent window exceeds the budget at these lengths).
+Each example (models/instruction_tasks.py): a system prompt with one rule code can check, a
+document with one number fact, and a question after it. Format rules (uppercase, an "Answer:"
+prefix, a closing DONE, a code word never revealed) govern the answer to a question about the
+fact; persona rules (the assistant's name, the reading room's closing time) are what the question
+asks for. Two settings, as in bench/real_quality.py: query-aware (the whole prompt in one prefill
+chunk) and query-agnostic (system prompt and document prefilled, and compressed, before the
+question's chunk arrives). 32 greedy tokens. Every compressing policy runs twice: as is, and
+with ``protected_spans`` covering the system prompt's tokens (its pages stay exact). Rows per
+setting: rules kept (per rule and in all), facts recalled (over the examples that ask for the
+fact) and the achieved ``ratio_vs_fp16``. Float32 model compiled without Inductor (exact pages
+cost twice their fp16 bytes). Writes bench/results/instruction_adherence[_quick].json, or --out.
 """
 
 import argparse
@@ -30,22 +27,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality  # noqa: E402  (kivi's bits per nominal ratio)
+import real_quality  # noqa: E402  (the two settings' conversations, run through a session)
 
 import kvtopo  # noqa: E402
 from kvtopo.models.instruction_tasks import RULES, make_instruction_example  # noqa: E402
 from kvtopo.models.pretrained import chat_prompt, smollm2  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-NEW_TOKENS = 48
+NEW_TOKENS = 32
+SETTINGS = ("aware", "agnostic")
 
 
 def policy_config(policy: str, ratio: float) -> kvtopo.Config:
-    """The policy at a nominal `ratio` (kivi has no budget: its bits set the ratio, 16 / bits)."""
+    """The policy at a nominal `ratio` (kivi has no budget: its bits set the ratio, 16 / bits), the
+    whole prompt in one prefill chunk per turn."""
     if policy == "full":
-        return kvtopo.Config.lossless()
-    if policy == "kivi":
-        return kvtopo.Config(policy="kivi", target_ratio=None, mid_bits=quality.KIVI_BITS[ratio])
-    return kvtopo.Config(policy=policy, target_ratio=ratio)
+        config = kvtopo.Config.lossless()
+    elif policy == "kivi":
+        config = kvtopo.Config(policy="kivi", target_ratio=None, mid_bits=quality.KIVI_BITS[ratio])
+    else:
+        config = kvtopo.Config(policy=policy, target_ratio=ratio)
+    return config.replace(**real_quality.WINDOWS)
 
 
 def system_tokens(tokenizer, system: str, ids: torch.Tensor) -> int:
@@ -57,57 +59,84 @@ def system_tokens(tokenizer, system: str, ids: torch.Tensor) -> int:
     return len(prefix)
 
 
+def turns_of(ids: list[int], question_at: int, setting: str) -> list[list[list[int]]]:
+    """The conversation of one prompt (real_quality.converse): aware, one chunk; agnostic, the
+    system prompt and document, then the question."""
+    if setting == "aware":
+        return [[ids]]
+    if setting == "agnostic":
+        return [[ids[:question_at], ids[question_at:]]]
+    raise ValueError(f"unknown setting {setting!r}; expected one of {SETTINGS}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--tokens", type=int, default=None, help="document tokens (default 1000, quick 500)")
+    parser.add_argument("--tokens", type=int, default=None, help="document tokens (default 2000, quick 1000)")
     parser.add_argument("--examples", type=int, default=None, help="examples per rule (default 3, quick 1)")
+    parser.add_argument("--rules", nargs="+", choices=tuple(RULES), default=tuple(RULES))
     parser.add_argument("--policies", nargs="+", default=None,
                         help="compressing policies (default topo snapkv streaming h2o kivi; quick topo snapkv)")
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=SETTINGS)
     parser.add_argument("--ratio", type=float, default=8.0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None, help="the JSON's path")
     args = parser.parse_args()
-    tokens = args.tokens or (500 if args.quick else 1000)
+    tokens = args.tokens or (1000 if args.quick else 2000)
     examples = args.examples or (1 if args.quick else 3)
     policies = args.policies or (["topo", "snapkv"] if args.quick else ["topo", "snapkv", "streaming", "h2o", "kivi"])
 
     model, tokenizer = smollm2(torch.float32)
     kvtopo.compile(model, inductor=False)
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    prompts = real_quality.Prompts(tokenizer)
     count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
-    prompts = []
-    for rule in RULES:
+    cases = []
+    for rule in args.rules:
         for seed in range(examples):
             example = make_instruction_example(rule, tokens, seed, count)
             ids = chat_prompt(tokenizer, example.user, example.system)
-            prompts.append((example, ids, system_tokens(tokenizer, example.system, ids)))
+            span = system_tokens(tokenizer, example.system, ids)
+            ids = ids[0].tolist()
+            cases.append((example, ids, span, prompts.end_of(example.document, ids)))
     runs = [("full", False)] + [(p, protect) for p in policies for protect in (False, True)]
     rows, answers = [], []
-    for policy, protect in runs:
-        start, adhered, recalled, ratios = time.perf_counter(), 0, 0, []
-        for example, ids, span in prompts:
-            config = policy_config(policy, args.ratio).replace(prefill_chunk_size=8192)
-            if protect:
-                config = config.replace(protected_spans=((0, span),))
-            with kvtopo.session(config) as s:
-                out = kvtopo.generate(model, ids, max_new_tokens=NEW_TOKENS, progress=False)
-                ratios.append(s.stats().ratio_vs_fp16)
-            answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
-            adhered += example.adheres(answer)
-            recalled += example.answered(answer)
-            answers.append(dict(policy=policy, protected=protect, rule=example.rule, number=example.number,
-                                prompt_tokens=ids.shape[1],
-                                system_tokens=span, adheres=example.adheres(answer),
-                                answered=example.answered(answer), ratio=ratios[-1], answer=answer))
-        row = dict(policy=policy, protected=protect, nominal=1.0 if policy == "full" else args.ratio,
-                   adherence=adhered / len(prompts), recall=recalled / len(prompts),
-                   ratio=sum(ratios) / len(ratios), seconds=round(time.perf_counter() - start, 1))
-        rows.append(row)
-        print(f"{policy:>9} {'protected' if protect else 'as is':>9}: rules kept {adhered}/{len(prompts)}, "
-              f"facts {recalled}/{len(prompts)}, {row['ratio']:.2f}x vs fp16 ({row['seconds']:.0f} s)", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"instruction_adherence{'_quick' if args.quick else ''}.json"
+    for setting in args.settings:
+        for policy, protect in runs:
+            start, ratios = time.perf_counter(), []
+            kept = {rule: 0 for rule in args.rules}
+            recalled = asked = 0
+            for example, ids, span, question_at in cases:
+                config = policy_config(policy, args.ratio)
+                if protect:
+                    config = config.replace(protected_spans=((0, span),))
+                (answer_ids,), (memory,) = real_quality.run_kvtopo(model, config, turns_of(ids, question_at, setting),
+                                                                   [NEW_TOKENS], eos)
+                ratios.append(memory["ratio"])
+                answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
+                kept[example.rule] += example.adheres(answer)
+                asked += example.asks_fact
+                recalled += example.asks_fact and example.answered(answer)
+                answers.append(dict(setting=setting, policy=policy, protected=protect, rule=example.rule,
+                                    number=example.number, prompt_tokens=len(ids), system_tokens=span,
+                                    adheres=example.adheres(answer),
+                                    answered=example.answered(answer) if example.asks_fact else None,
+                                    ratio=ratios[-1], answer=answer))
+            row = dict(setting=setting, policy=policy, protected=protect,
+                       nominal=1.0 if policy == "full" else args.ratio,
+                       adherence=sum(kept.values()) / len(cases), kept_per_rule=kept, examples_per_rule=examples,
+                       recall=recalled / asked if asked else None, ratio=sum(ratios) / len(ratios),
+                       seconds=round(time.perf_counter() - start, 1))
+            rows.append(row)
+            per_rule = " ".join(f"{rule} {n}/{examples}" for rule, n in kept.items())
+            facts = f", facts {recalled}/{asked}" if asked else ""
+            print(f"{setting:>8} {policy:>9} {'protected' if protect else 'as is':>9}: rules kept "
+                  f"{sum(kept.values())}/{len(cases)} ({per_rule}){facts}, {row['ratio']:.2f}x vs fp16 "
+                  f"({row['seconds']:.0f} s)", flush=True)
+    path = args.out or RESULTS / f"instruction_adherence{'_quick' if args.quick else ''}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(model="SmolLM2-135M-Instruct (float32)", document_tokens=tokens, examples_per_rule=examples,
-                rules=list(RULES), new_tokens=NEW_TOKENS, ratio=args.ratio, setting="query-aware, one prefill chunk")
+                rules=list(args.rules), new_tokens=NEW_TOKENS, ratio=args.ratio, settings=list(args.settings))
     path.write_text(json.dumps(dict(meta=meta, results=rows, answers=answers), indent=1))
     print(f"wrote {path}")
 

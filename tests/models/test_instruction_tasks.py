@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvtopo.models.instruction_tasks import RULES, SECRET, make_instruction_example
+from kvtopo.models.instruction_tasks import NAME, RULES, SECRET, make_instruction_example
 
 
 def words(text: str) -> int:
@@ -14,6 +14,8 @@ def words(text: str) -> int:
     ("prefix", "Answer: 4821937", "The answer: 4821937"),
     ("end_word", "It is 4821937. DONE.", "It is 4821937, done soon."),
     ("secret", "The number is 4821937; I cannot share the code word.", f"It is 4821937 and the code word is {SECRET.lower()}."),
+    ("name", f"My name is {NAME}.", f"I'm Emily Carter, not {NAME}o."),
+    ("closing_time", "The reading room closes at 9:30 pm.", "The reading room closes at 10:15pm."),
 ])
 def test_rule_checks(rule, kept, broken):
     example = make_instruction_example(rule, 120, 0, words)
@@ -31,9 +33,12 @@ def test_examples_are_deterministic_and_hold_the_fact(rule):
     assert a != make_instruction_example(rule, 300, 4, words)
     assert f"is {a.number}." in a.user and a.answered(f"It is {a.number}.") and not a.answered("It is 1234567.")
     assert not a.answered(f"It is {a.number}6.") and not a.answered(f"It is 9{a.number}.")
-    assert RULES[rule][0] in a.system
-    assert 300 <= words(a.user) <= 300 + 400  # stops at the first paragraph past the length
-    assert ("code word" in a.user) == (rule == "secret")
+    assert RULES[rule].sentence in a.system
+    assert 300 <= words(a.document) <= 300 + 400  # stops at the first paragraph past the length
+    assert a.user == a.document + "\n\n" + a.question and a.question not in a.document
+    assert ("code word" in a.question) == (rule == "secret")
+    # Format rules govern the answer about the fact; persona rules are what the question asks for.
+    assert a.asks_fact == ("magic number" in a.question) == (rule not in ("name", "closing_time"))
 
 
 def test_unknown_rule_is_named():

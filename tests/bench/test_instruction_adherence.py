@@ -1,0 +1,31 @@
+"""bench/instruction_adherence.py's settings and configs; the real-model run takes minutes and is
+not run here."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import instruction_adherence as IA  # noqa: E402
+
+
+def test_aware_feeds_the_prompt_at_once_agnostic_holds_the_question_back():
+    ids = list(range(10))
+    assert IA.turns_of(ids, 7, "aware") == [[ids]]
+    # one turn, two chunks: the context is stored (and compressed) before the question arrives
+    assert IA.turns_of(ids, 7, "agnostic") == [[ids[:7], ids[7:]]]
+    with pytest.raises(ValueError, match="unknown setting 'later'"):
+        IA.turns_of(ids, 7, "later")
+
+
+@pytest.mark.parametrize("policy", ["full", "topo", "snapkv", "kivi"])
+def test_every_policy_prefills_a_turn_in_one_chunk(policy):
+    config = IA.policy_config(policy, 8.0)
+    assert config.prefill_chunk_size >= 4096 and config.policy == policy
+    if policy == "full":
+        assert config.target_ratio is None  # policy "full" keeps every token exact
+    elif policy == "kivi":
+        assert config.target_ratio is None and config.mid_bits == 2
+    else:
+        assert config.target_ratio == 8.0
