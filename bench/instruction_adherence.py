@@ -87,8 +87,7 @@ def main() -> None:
 
     model, tokenizer = smollm2(torch.float32)
     kvtopo.compile(model, inductor=False)
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos)
+    eos = real_quality.eos_ids(model)
     prompts = real_quality.Prompts(tokenizer)
     count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
     cases = []
@@ -114,14 +113,14 @@ def main() -> None:
                                                                    [NEW_TOKENS], eos)
                 ratios.append(memory["ratio"])
                 answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
-                kept[example.rule] += example.adheres(answer)
+                adheres = example.adheres(answer)
+                answered = example.answered(answer) if example.asks_fact else None
+                kept[example.rule] += adheres
                 asked += example.asks_fact
-                recalled += example.asks_fact and example.answered(answer)
+                recalled += bool(answered)
                 answers.append(dict(setting=setting, policy=policy, protected=protect, rule=example.rule,
                                     number=example.number, prompt_tokens=len(ids), system_tokens=span,
-                                    adheres=example.adheres(answer),
-                                    answered=example.answered(answer) if example.asks_fact else None,
-                                    ratio=ratios[-1], answer=answer))
+                                    adheres=adheres, answered=answered, ratio=ratios[-1], answer=answer))
             row = dict(setting=setting, policy=policy, protected=protect,
                        nominal=1.0 if policy == "full" else args.ratio,
                        adherence=sum(kept.values()) / len(cases), kept_per_rule=kept, examples_per_rule=examples,

@@ -108,8 +108,7 @@ def main(argv=None) -> dict:
     model, tokenizer = smollm2(getattr(torch, args.dtype))
     kvtopo.compile(model, inductor=False)
     prompts = RQ.Prompts(tokenizer)
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos)
+    eos = RQ.eos_ids(model)
     config = quality.base_config(policy="topo", target_ratio=args.ratio)
     kv_heads = model.config.num_key_value_heads
     rows, started = [], time.time()

@@ -252,6 +252,12 @@ class Prompts:
 
 
 # -- kvtopo runs ----------------------------------------------------------------------------------------------
+def eos_ids(model) -> list[int]:
+    """The ids that end an answer (`converse`'s `eos`): the model's generation config, as a list."""
+    eos = model.generation_config.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
 def config_of(plan: dict) -> kvtopo.Config:
     return quality.base_config(policy=plan["policy"], **plan["overrides"])
 
@@ -569,8 +575,7 @@ def main(argv=None) -> dict:
     model, tokenizer = smollm2(dtype)
     kvtopo.compile(model, inductor=False)
     prompts = Prompts(tokenizer)
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos)
+    eos = eos_ids(model)
     seconds = dict(load=time.perf_counter() - started)
 
     t0 = time.perf_counter()
