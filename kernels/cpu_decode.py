@@ -8,8 +8,8 @@ as stored: Mid as packed code rows (all kv-heads side by side) with per-page sta
 as each kv-head's code block, exact tokens as float32 "codes" with unit statistics (read in place
 from the layer's page pool through the pages' slots when the pool is float32 or bfloat16, as
 32- or 16-bit codes: ``PagedExact``). The kernel
-releases the GIL and runs its work items, (segment, split of 1024 rows), on torch's thread
-count of its own threads, each thread a run of items holding about the same number of rows.
+releases the GIL and runs its work items, (segment, split of 1024 rows), on torch's intra-op
+threads (``at::parallel_for``), each thread a run of items holding about the same number of rows.
 For each split and every kv-head at once it unpacks each row's codes, folds the page's key
 statistics into the projected query (q_r * scale_r, q . offset: recomputed only when the page
 changes), so a logit is one short dot with the raw codes; a two-pass softmax within the split
@@ -86,10 +86,13 @@ def _build():
     _put_ninja_on_path()
     # The vector expf the source declares on x86-64 glibc lives in libmvec.
     ldflags = ["-lmvec"] if platform.machine() == "x86_64" and platform.libc_ver()[0] == "glibc" else []
+    # at::parallel_for runs on torch's OpenMP threads only when the kernel is built with OpenMP
+    # (it then shares torch's libgomp, already loaded); otherwise it runs the work items serially.
+    openmp = ["-fopenmp"] if torch._C.has_openmp else []
     try:
         # cpp_extension rebuilds when the source or flags change; the name separates CPUs.
         return cpp_extension.load(name=f"kvtopo_mid_decode_{_cpu_identity()}", sources=[str(SOURCE)],
-                                  extra_cflags=CFLAGS, extra_ldflags=ldflags)
+                                  extra_cflags=CFLAGS + openmp, extra_ldflags=ldflags + openmp)
     except (OSError, RuntimeError, ImportError) as error:
         warnings.warn(f"kvtopo: building the CPU decode kernel {SOURCE.name} failed, so Mid segments use the "
                       f"torch reference (slower, same result):\n{error}", RuntimeWarning, stacklevel=3)

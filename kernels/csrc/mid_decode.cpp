@@ -2,12 +2,13 @@
 // segments (projected coefficients, or unprojected keys/values: an identity basis, the caller
 // skips the projections), Recent pages (codes, head-major) and exact tokens (float32, head-major,
 // read as 32-bit "codes" with unit statistics, consecutive or in place in a page pool). Built at first use by torch.utils.cpp_extension.
-// One call takes every segment of a decode batch and runs their splits of rows on its own
-// threads, with the GIL released.
+// One call takes every segment of a decode batch and runs their splits of rows on torch's
+// intra-op threads, with the GIL released.
 //
 // The arithmetic is written with GCC/Clang vector extensions (8 floats): the compiler maps them to
 // AVX2/FMA under -march=native and to whatever the target has elsewhere, so there is one code path;
 // the one exception is the unpacking of long 4-bit rows, which has an AVX2 form beside the plain loop.
+#include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor (lighter than torch/extension.h)
 
 #include <math.h>
@@ -19,7 +20,6 @@
 
 #include <algorithm>
 #include <memory>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -522,8 +522,8 @@ static Segment segment(const at::Tensor *t, const int64_t *f) {
 }
 
 // Every split of every segment of a decode batch: work items are (segment, split of rows), all
-// kv-heads of a split at once; `threads` threads take contiguous runs of items holding about
-// equal numbers of rows; then each segment's splits are merged. cap: logit softcap, 0 for none.
+// kv-heads of a split at once; `threads` workers, on torch's intra-op threads, take contiguous
+// runs of items holding about equal numbers of rows; then each segment's splits are merged. cap: logit softcap, 0 for none.
 void decode_segments(const std::vector<at::Tensor> &tensors, const std::vector<int64_t> &ints, int64_t threads,
                      double cap) {
     TORCH_CHECK(tensors.size() % SEGMENT_TENSORS == 0 &&
@@ -553,10 +553,11 @@ void decode_segments(const std::vector<at::Tensor> &tensors, const std::vector<i
         }
     };
     pybind11::gil_scoped_release no_gil;
-    std::vector<std::thread> pool;
-    for (int wk = 1; wk < workers; ++wk) pool.emplace_back(run, wk);
-    run(0);
-    for (auto &t : pool) t.join();
+    // torch's own intra-op threads: after a torch op they spin a while waiting for work, so
+    // threads of the kernel's own would share the cores with them.
+    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t wk = begin; wk < end; ++wk) run((int)wk);
+    });
     for (Segment &sg : segs) merge_splits(sg);
 }
 
