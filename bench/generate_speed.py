@@ -131,13 +131,13 @@ def build_model(name: str, positions: int, dtype: str):
 
 
 def run_mode(mode: str, model_name: str, prompts: list[int], new: int, reps: int, dtype: str,
-             warmup: int | None, breakdown: bool = False) -> list[dict]:
+             warmup: int | None, breakdown: bool = False, threads: int = 1) -> list[dict]:
     import torch
     from transformers import LogitsProcessorList
 
     import kvtopo
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     model = build_model(model_name, max(prompts) + new + 8, dtype)
     if mode != "hf":
         kvtopo.compile(model, inductor=False)
@@ -210,13 +210,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, help="one warm-up call of this many tokens instead of one per length")
     p.add_argument("--breakdown", action="store_true",
                    help="also time, per decode step, kvtopo's attention op and the C kernel inside it")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of every mode (1: steadier on a shared machine)")
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.new < 2:
         p.error("--new must be >= 2 (the decode rate is measured beyond the first token)")
     if args.mode:
         print(json.dumps(run_mode(args.mode, args.model, args.prompts, args.new, args.reps, args.dtype, args.warmup,
-                                  args.breakdown)))
+                                  args.breakdown, args.threads)))
         return
     load_before = os.getloadavg()
     modes = list(dict.fromkeys(args.modes if "hf" in args.modes else ["hf", *args.modes]))  # run in this order
@@ -225,6 +227,7 @@ def main() -> None:
         print(f"running {mode} at {args.prompts} ...", flush=True)
         done = subprocess.run([sys.executable, __file__, "--mode", mode, "--model", args.model, "--prompts", *map(str, args.prompts),
                                "--new", str(args.new), "--reps", str(args.reps), "--dtype", args.dtype,
+                               "--threads", str(args.threads),
                                *(["--warmup", str(args.warmup)] if args.warmup else []),
                                *(["--breakdown"] if args.breakdown else [])],
                               capture_output=True, text=True)
@@ -251,7 +254,7 @@ def main() -> None:
                 print(f"{'':17} decode step {b['step']:.2f} ms: attention op {b['attention_op']:.2f} ms "
                       f"(C kernel {b['c_kernel']:.2f}), the rest of the model {b['step'] - b['attention_op']:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "threads": 1, "model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else f"{args.model} zoo",
+    args.out.write_text(json.dumps({"rows": rows, "threads": args.threads, "model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else f"{args.model} zoo",
                                     "dtype": args.dtype if args.model == "smollm2" else "float32", "reps": args.reps,
                                     "load_avg_before": [round(x, 2) for x in load_before],
                                     "load_avg_after": [round(x, 2) for x in os.getloadavg()]}, indent=1))
