@@ -50,7 +50,9 @@ grown to each length in turn; one decode step of all B timed as
                       batched decode call (one C kernel call over every exact, Recent and Mid
                       segment of every sequence);
   <config>_singles    B calls of `decode_view.attend_cache`, one per sequence (batch 1, B times);
-  <config>_one        that call for sequence 0 alone (batch 1);
+  <config>_one        that call for sequence 0 alone (batch 1). Each rep runs the methods in this
+                      order, so `_batched` finds its codes after other methods' data went through
+                      the caches ("cold"), `_one` right after `_singles` read the same codes ("warm");
   read                `src.sum()` over a 256 MiB float32 buffer: the rate at which this run can
                       stream bytes from memory (a step, like it, reads and writes almost nothing);
   copy                `dst.copy_(src)` of that buffer, bytes of src per second: kept for comparison
