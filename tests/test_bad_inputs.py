@@ -296,3 +296,22 @@ def test_a_decode_step_mask_that_hides_the_new_token_is_refused():
         with pytest.raises(ValueError, match="hides key 0 for query 0"):
             s.attend("d", q, k, v, torch.full((1, 1, 1, 1), -float("inf")), 0.35, is_causal=False)
         assert set(s.layers) == {"a", "b"}  # the refused calls stored nothing
+
+
+def test_a_mask_checked_once_is_checked_again_when_it_changes():
+    """The checks run once for the mask a model passes to all its layers; the same tensor changed
+    in place, a new tensor, or other arguments are checked again and refused when wrong."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 8, generator=g) for _ in range(3))
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()
+    with kvtopo.session(kvtopo.Config.lossless()) as s:
+        s.attend("a", q, k, v, causal, 0.35, is_causal=False)
+        s.attend("b", q, k, v, causal, 0.35, is_causal=False)
+        causal[0, 2] = True  # in place: query 0 now sees key 2
+        with pytest.raises(ValueError, match="shows key 2 for query 0"):
+            s.attend("c", q, k, v, causal, 0.35, is_causal=False)
+        with pytest.raises(ValueError, match="shows key 1 for query 0"):
+            s.attend("d", q, k, v, torch.ones(3, 3, dtype=torch.bool), 0.35, is_causal=False)
+        with pytest.raises(ValueError, match="not causal"):
+            s.attend("e", q, k, v, None, 0.35, is_causal=False)
+        assert set(s.layers) == {"a", "b"}
