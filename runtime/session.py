@@ -61,7 +61,7 @@ class Session:
         self._batch: int | None = None
         self._step_valid: torch.Tensor | None = None
         self._step_full: list[int] | None = None  # the step's rows without padding
-        self._mask_passed: _MaskCheck | None = None  # the last mask (and arguments) that passed the checks
+        self._mask_passed: _PassedMask | None = None  # the last mask (and arguments) that passed the checks
         self._token = None
         self._models: dict[int, tuple[weakref.ref, str]] = {}  # id(model key) -> (its ref, name)
         self.calls = 0
@@ -135,11 +135,12 @@ class Session:
                              f"not one per query head ({query.shape[1]})")
         if valid is not None and tuple(valid.shape) != (batch, chunk):
             raise ValueError(f"step validity has shape {tuple(valid.shape)}, the call has (batch, tokens)=({batch}, {chunk})")
-        checked = _MaskCheck(attn_mask, valid, is_causal, window, batch, chunk)
-        if checked != self._mask_passed:  # a model passes one mask to all its layers: checked once
+        arguments = (is_causal, window, batch, chunk)
+        passed = self._mask_passed  # a model passes one mask to all its layers: checked once while unchanged
+        if passed is None or not passed.matches(attn_mask, valid, arguments):
             _check_pure_mask(layer, attn_mask)
             _check_chunk_mask(layer, attn_mask, is_causal, window, valid, batch, chunk)
-            self._mask_passed = checked
+            self._mask_passed = _PassedMask.record(attn_mask, valid, arguments)
         if model_key is not None:
             layer = f"{self.model_name(model_key)}/{layer}"
         cache = self._layer_cache(layer, scale, shared_value_dim, window)
@@ -360,28 +361,26 @@ def _accumulate_mass(cache: LayerCache, seq: int, q, parts, scale: float, softca
         page.mass[:, : mass.shape[1]] += mass
 
 
-class _MaskCheck:
-    """What the mask checks of one call depend on: the mask and step-validity tensors (held by weak
-    reference, with their in-place versions) and the arguments. Equal means the same live tensors,
-    unmodified since, and the same arguments, so the checks would pass again."""
+class _PassedMask:
+    """The mask and step-validity tensors (weak references and in-place versions) and the
+    arguments whose checks last passed: a call that matches them would pass again."""
 
-    def __init__(self, mask, valid, is_causal: bool, window: int | None, batch: int, chunk: int):
-        # An inference tensor has no version counter: its changes cannot be seen, so never equal.
-        self.comparable = not any(t is not None and t.is_inference() for t in (mask, valid))
-        self.tensors = tuple(None if t is None or not self.comparable else (weakref.ref(t), t._version)
-                             for t in (mask, valid))
-        self.arguments = (is_causal, window, batch, chunk)
+    def __init__(self, mask, valid, arguments: tuple):
+        self.refs = tuple(None if t is None else weakref.ref(t) for t in (mask, valid))
+        self.versions = tuple(None if t is None else t._version for t in (mask, valid))
+        self.arguments = arguments
 
-    def __eq__(self, other) -> bool:
-        if not (isinstance(other, _MaskCheck) and self.comparable and other.comparable
-                and self.arguments == other.arguments):
-            return False
-        for mine, theirs in zip(self.tensors, other.tensors):
-            if (mine is None) != (theirs is None):
-                return False
-            if mine is not None and (mine[0]() is None or mine[0]() is not theirs[0]() or mine[1] != theirs[1]):
-                return False
-        return True
+    @staticmethod
+    def record(mask, valid, arguments: tuple) -> "_PassedMask | None":
+        """None for an inference tensor: it has no version counter, so its changes cannot be seen."""
+        if any(t is not None and t.is_inference() for t in (mask, valid)):
+            return None
+        return _PassedMask(mask, valid, arguments)
+
+    def matches(self, mask, valid, arguments: tuple) -> bool:
+        return arguments == self.arguments and all(
+            (t is None and ref is None) or (t is not None and ref is not None and ref() is t and t._version == version)
+            for t, ref, version in zip((mask, valid), self.refs, self.versions))
 
 
 def _check_pure_mask(layer: str, attn_mask: torch.Tensor | None) -> None:
