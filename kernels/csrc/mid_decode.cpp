@@ -7,7 +7,9 @@
 //
 // The arithmetic is written with GCC/Clang vector extensions (8 floats): the compiler maps them to
 // AVX2/FMA under -march=native and to whatever the target has elsewhere, so there is one code path;
-// the one exception is the unpacking of long 4-bit rows, which has an AVX2 form beside the plain loop.
+// the exceptions are the unpacking of long 4-bit rows, which has an AVX2 form beside the plain loop,
+// and, under AVX-512, pass 2's weighted sums (16 columns per vector) and softmax weights (16 lanes
+// per vector expf). Measured: 16-lane key dots and 16-wide 8-bit unpacking were slower; not used.
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor (lighter than torch/extension.h)
 
@@ -37,6 +39,13 @@ static inline void store8(float *p, v8f x) { *(v8f_u *)p = x; }
 static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 static inline int round8(int n) { return (n + 7) & ~7; }
 
+#if defined(__AVX512F__)
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v16f_u __attribute__((vector_size(64), aligned(4), __may_alias__));
+static inline v16f load16(const float *p) { return *(const v16f_u *)p; }
+static inline void store16(float *p, v16f x) { *(v16f_u *)p = x; }
+#endif
+
 /* Lane i of the result: the sum of the 8 lanes of a[i] (three rounds of pairwise adds). */
 static inline v8f sum_lanes(const v8f *a) {
     v8f h[4], g[2];
@@ -63,6 +72,20 @@ static v8f dots8(const float *q, int stride, const float *u, const int *off, int
             for (int c = 0; c < (NC ? NC : nc); ++c) a[j] += load8(q + (size_t)j * stride + 8 * c) * load8(u + off[j] + 8 * c);
         return sum_lanes(a);
     }
+#if defined(__AVX512F__)
+    if (NC >= 8 && NC % 2 == 0) {
+        v16f b[8] = {};
+        for (int h = 0; h < 8 / G; ++h)
+            for (int c = 0; c < NC / 2; ++c) {
+                v16f x = load16(u + off[h * G] + 16 * c);
+                for (int g = 0; g < G; ++g) b[h * G + g] += load16(q + (size_t)(h * G + g) * stride + 16 * c) * x;
+            }
+        for (int j = 0; j < 8; ++j)
+            a[j] = __builtin_shufflevector(b[j], b[j], 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(b[j], b[j], 8, 9, 10, 11, 12, 13, 14, 15);
+        return sum_lanes(a);
+    }
+#endif
     for (int h = 0; h < 8 / G; ++h)
         for (int c = 0; c < (NC ? NC : nc); ++c) {
             v8f x = load8(u + off[h * G] + 8 * c);
@@ -94,9 +117,32 @@ static Dots pick_dots(int G, int nc) {
 /* For GG query heads g of one kv-head: a[g * a_stride + (0 .. 8T)] += sum_i w[i * w_stride + g] *
    u[i * u_stride + (0 .. 8T)] over nb rows: the heads' weighted value codes of a block of rows.
    The heads share each loaded chunk of codes, and their GG * T sums, held in registers, are
-   independent chains: one head alone (T sums) waits on the FMA latency every row. */
+   independent chains: one head alone (T sums) waits on the FMA latency every row. Under AVX-512
+   pairs of chunks are one 16-float vector (an odd last chunk stays 8 wide): half the FMAs. */
 template <int T, int GG>
 static void weigh_rows(float *a, int a_stride, const float *u, int u_stride, const float *w, int w_stride, int nb) {
+#if defined(__AVX512F__)
+    if (T >= 2) {
+        constexpr int W = T / 2, R = T % 2;
+        v16f wide[GG][W > 0 ? W : 1] = {};
+        v8f rest[GG][R > 0 ? R : 1] = {};
+        for (int i = 0; i < nb; ++i) {
+            const float *row = u + (size_t)i * u_stride;
+            for (int g = 0; g < GG; ++g) {
+                const float x = w[(size_t)i * w_stride + g];
+                const v16f p = {x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+                for (int t = 0; t < W; ++t) wide[g][t] += p * load16(row + 16 * t);
+                if (R) rest[g][0] += splat(x) * load8(row + 16 * W);
+            }
+        }
+        for (int g = 0; g < GG; ++g) {
+            float *ag = a + (size_t)g * a_stride;
+            for (int t = 0; t < W; ++t) store16(ag + 16 * t, load16(ag + 16 * t) + wide[g][t]);
+            if (R) store8(ag + 16 * W, load8(ag + 16 * W) + rest[g][0]);
+        }
+        return;
+    }
+#endif
     v8f acc[GG][T] = {};
     for (int i = 0; i < nb; ++i) {
         const float *row = u + (size_t)i * u_stride;
@@ -109,12 +155,20 @@ static void weigh_rows(float *a, int a_stride, const float *u, int u_stride, con
         for (int t = 0; t < T; ++t) store8(a + (size_t)g * a_stride + 8 * t, load8(a + (size_t)g * a_stride + 8 * t) + acc[g][t]);
 }
 
+#if defined(__AVX512F__)
+static const int WEIGH_CHUNKS = 8, SUM_REGISTERS = 24;  // of 32 vector registers
+static constexpr int sum_vectors(int T) { return T / 2 + T % 2; }
+#else
+static const int WEIGH_CHUNKS = 4, SUM_REGISTERS = 12;  // of 16
+static constexpr int sum_vectors(int T) { return T; }
+#endif
+
 /* weigh_rows for `heads` query heads of one kv-head, as many at a time as keep their sums within
-   12 of the 16 vector registers. */
+   SUM_REGISTERS vector registers. */
 template <int T>
 static void weigh_heads(float *a, int a_stride, const float *u, int u_stride, const float *w, int w_stride, int nb,
                         int heads) {
-    constexpr int most = 12 / T < 4 ? 12 / T : 4;
+    constexpr int most = SUM_REGISTERS / sum_vectors(T) < 4 ? SUM_REGISTERS / sum_vectors(T) : 4;
     for (int g = 0; g < heads;) {
         const int gg = std::min(most, heads - g);
         float *ag = a + (size_t)g * a_stride;
@@ -286,6 +340,14 @@ static inline void flush_sums(float *__restrict o, float *__restrict a, const fl
     for (r = 0; r < round8(n); r += 8) store8(a + r, splat(0.f));
 }
 
+/* w[j] = exp(lg[j] - m[j]) for j < n: under AVX-512, 16 lanes per call of the vector expf. */
+#if defined(__AVX512F__)
+__attribute__((target("prefer-vector-width=512"), noinline))
+#endif
+static void softmax_weights(float *__restrict w, const float *__restrict lg, const float *__restrict m, int n) {
+    for (int j = 0; j < n; ++j) w[j] = expf(lg[j] - m[j]);
+}
+
 /* Splits [s0, s1) of a segment's rows, every kv-head and query head at once. Key statistics are
    per page, so they are folded into the query when the page changes:
      logit = qb + q . (scale * code + offset) = (qb + q . offset) + (q * scale) . code
@@ -390,8 +452,7 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
             int nb = 1;
             while (nb < rb && n + nb < n1 && (v.per_row || sg.row_stat[n + nb] == st)) ++nb;
             const float *lg = logits.get() + (size_t)(n - n0) * HGp;
-            for (int i = 0; i < nb; ++i)
-                for (int j = 0; j < HGp; ++j) w[i * HGp + j] = expf(lg[i * HGp + j] - m[j]);
+            for (int i = 0; i < nb; ++i) softmax_weights(w.data() + (size_t)i * HGp, lg + (size_t)i * HGp, m.data(), HGp);
             if (Gp != G)  // lanes to head order: query head hg's weight at hg
                 for (int i = 0; i < nb; ++i)
                     for (int h = 1; h < H; ++h) memmove(&w[i * HGp + h * G], &w[i * HGp + h * Gp], sizeof(float) * G);
@@ -413,12 +474,20 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
             for (int h = 0; h < H; ++h) {
                 float *a = A.data() + (size_t)h * G * RVp;
                 const float *u = U.data() + voff[h], *wh = w.data() + h * G;
-                for (int c = 0, nc = vchunks[h]; c < nc; c += 4) {
-                    switch (std::min(4, nc - c)) {
+                for (int c = 0, nc = vchunks[h]; c < nc; c += WEIGH_CHUNKS) {
+                    switch (std::min(WEIGH_CHUNKS, nc - c)) {
                         case 1: weigh_heads<1>(a + 8 * c, RVp, u + 8 * c, UW, wh, HGp, nb, G); break;
                         case 2: weigh_heads<2>(a + 8 * c, RVp, u + 8 * c, UW, wh, HGp, nb, G); break;
                         case 3: weigh_heads<3>(a + 8 * c, RVp, u + 8 * c, UW, wh, HGp, nb, G); break;
+#if defined(__AVX512F__)
+                        case 4: weigh_heads<4>(a + 8 * c, RVp, u + 8 * c, UW, wh, HGp, nb, G); break;
+                        case 5: weigh_heads<5>(a + 8 * c, RVp, u + 8 * c, UW, wh, HGp, nb, G); break;
+                        case 6: weigh_heads<6>(a + 8 * c, RVp, u + 8 * c, UW, wh, HGp, nb, G); break;
+                        case 7: weigh_heads<7>(a + 8 * c, RVp, u + 8 * c, UW, wh, HGp, nb, G); break;
+                        default: weigh_heads<8>(a + 8 * c, RVp, u + 8 * c, UW, wh, HGp, nb, G);
+#else
                         default: weigh_heads<4>(a + 8 * c, RVp, u + 8 * c, UW, wh, HGp, nb, G);
+#endif
                     }
                 }
             }
