@@ -8,8 +8,9 @@
 // The arithmetic is written with GCC/Clang vector extensions (8 floats): the compiler maps them to
 // AVX2/FMA under -march=native and to whatever the target has elsewhere, so there is one code path;
 // the exceptions are the unpacking of long 4-bit rows, which has an AVX2 form beside the plain loop,
-// and, under AVX-512, pass 2's weighted sums (16 columns per vector) and softmax weights (16 lanes
-// per vector expf). Measured: 16-lane key dots and 16-wide 8-bit unpacking were slower; not used.
+// and, under AVX-512, pass 2's weighted sums (16 columns per vector), its softmax weights (16 lanes
+// per vector expf) and the key dots of heads of 64 or more columns (16 columns per vector).
+// Measured slower and not used: 16-wide dots of shorter heads, 16-wide unpacking of 8-bit codes.
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor (lighter than torch/extension.h)
 
