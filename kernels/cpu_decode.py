@@ -77,10 +77,10 @@ def mid_kernel():
         return _build()
 
 
-@functools.cache
-def _build():
-    if os.environ.get("KVTOPO_NO_CKERNEL"):
-        return None
+def build_kernel(source: Path = SOURCE, name: str = "kvtopo_mid_decode"):
+    """Compile and load a kernel source as a module; `name` (suffixed by the CPU's identity) is
+    its build directory and module name. Raises when the build fails. bench/kernel_ab.py builds
+    other revisions of the source with it."""
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
@@ -89,10 +89,17 @@ def _build():
     # at::parallel_for runs on torch's OpenMP threads only when the kernel is built with OpenMP
     # (it then shares torch's libgomp, already loaded); otherwise it runs the work items serially.
     openmp = ["-fopenmp"] if torch._C.has_openmp else []
+    # cpp_extension rebuilds when the source or flags change; the name separates CPUs.
+    return cpp_extension.load(name=f"{name}_{_cpu_identity()}", sources=[str(source)],
+                              extra_cflags=CFLAGS + openmp, extra_ldflags=ldflags + openmp)
+
+
+@functools.cache
+def _build():
+    if os.environ.get("KVTOPO_NO_CKERNEL"):
+        return None
     try:
-        # cpp_extension rebuilds when the source or flags change; the name separates CPUs.
-        return cpp_extension.load(name=f"kvtopo_mid_decode_{_cpu_identity()}", sources=[str(SOURCE)],
-                                  extra_cflags=CFLAGS + openmp, extra_ldflags=ldflags + openmp)
+        return build_kernel()
     except (OSError, RuntimeError, ImportError) as error:
         warnings.warn(f"kvtopo: building the CPU decode kernel {SOURCE.name} failed, so Mid segments use the "
                       f"torch reference (slower, same result):\n{error}", RuntimeWarning, stacklevel=3)
