@@ -9,8 +9,9 @@
 // AVX2/FMA under -march=native and to whatever the target has elsewhere, so there is one code path;
 // the exceptions are the unpacking of long 4-bit rows, which has an AVX2 form beside the plain loop,
 // and, under AVX-512, pass 2's weighted sums (16 columns per vector), its softmax weights (16 lanes
-// per vector expf) and the key dots of heads of 64 or more columns (16 columns per vector).
-// Measured slower and not used: 16-wide dots of shorter heads, 16-wide unpacking of 8-bit codes.
+// per vector expf) and the key dots of heads of 128 columns (16 columns per vector).
+// Measured slower and not used: 16-wide dots of shorter heads (64 columns: 2-5% slower; the 8x
+// coding's rank 22), 16-wide unpacking of 8-bit codes.
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor (lighter than torch/extension.h)
 
@@ -74,7 +75,7 @@ static v8f dots8(const float *q, int stride, const float *u, const int *off, int
         return sum_lanes(a);
     }
 #if defined(__AVX512F__)
-    if (NC >= 8 && NC % 2 == 0) {
+    if (NC == 16) {
         v16f b[8] = {};
         for (int h = 0; h < 8 / G; ++h)
             for (int c = 0; c < NC / 2; ++c) {
