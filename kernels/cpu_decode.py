@@ -77,12 +77,13 @@ def mid_kernel():
         return _build()
 
 
-def build_kernel(source: Path = SOURCE, name: str = "kvtopo_mid_decode"):
-    """Compile and load a kernel source as a module; `name` (suffixed by the CPU's identity) is
-    its build directory and module name. Raises when the build fails. bench/kernel_ab.py builds
-    other revisions of the source with it."""
+def build_kernel(source: Path | None = None, name: str = "kvtopo_mid_decode"):
+    """Compile and load a kernel source (None: `SOURCE`) as a module; `name` (suffixed by the CPU's
+    identity) is its build directory and module name. Raises when the build fails.
+    bench/kernel_ab.py builds other revisions of the source with it."""
     from torch.utils import cpp_extension
 
+    source = SOURCE if source is None else source
     _put_ninja_on_path()
     # The vector expf the source declares on x86-64 glibc lives in libmvec.
     ldflags = ["-lmvec"] if platform.machine() == "x86_64" and platform.libc_ver()[0] == "glibc" else []
