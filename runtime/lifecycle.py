@@ -110,7 +110,8 @@ class SequenceState:
     mid_tokens: int = 0  # tokens of the pages that entered Mid, before eviction
     mid: object = None  # the executor's Mid epoch that pages enter now (None before the first)
     next_refit: int | None = None  # the length at which the next Mid epoch starts
-    observation: torch.Tensor | None = None  # the latest queries [Hq, W, d] float16
+    observation: torch.Tensor | None = None  # the latest queries [Hq, W, d] float16, oldest at `observed_oldest`
+    observed_oldest: int = 0  # where a full window's next decode query is written (see Lifecycle.observe)
     chunk_queries: torch.Tensor | None = None  # the appending chunk's last queries [Hq, C, d], until it is stored
 
 
@@ -133,14 +134,23 @@ class Lifecycle:
             return
         window = observed_positions(self.config.observation_window, queries.shape[0], kv_heads)
         seq.chunk_queries = None
+        held = seq.observation
+        if (queries.shape[1] == 1 and held is not None and held.shape[1] == window
+                and (not held.is_inference() or torch.is_inference_mode_enabled())):
+            # A decode step over a full window: its query replaces the oldest in place (one copy;
+            # every score sums over the window's queries, so their order is not needed).
+            held[:, seq.observed_oldest].copy_(queries[:, 0].detach())
+            seq.observed_oldest = (seq.observed_oldest + 1) % window
+            return
         if queries.shape[1] > window:  # a prefill chunk, not a decode step
             chunk = observed_positions(CHUNK_QUERIES, queries.shape[0], kv_heads)
             seq.chunk_queries = queries[:, -chunk:].detach().to(torch.float16)
         # float16 is plenty for ranking tokens, and halves what the window costs to hold.
         recent = queries[:, -window:].detach().to(torch.float16)
-        if seq.observation is not None:
-            recent = torch.cat([seq.observation, recent], dim=1)[:, -window:]
-        seq.observation = recent.clone()
+        if held is not None:
+            held = held.roll(-seq.observed_oldest, 1)  # oldest first again
+            recent = torch.cat([held, recent], dim=1)[:, -window:]
+        seq.observation, seq.observed_oldest = recent.clone(), 0
 
     def start_append(self, seq: SequenceState, tokens: int, head_dim: int, chunk) -> None:
         """Before `tokens` new tokens (`chunk`, the executor's) are written: start the Mid epoch

@@ -515,3 +515,35 @@ def test_batched_sequences_stay_isolated_under_compression():
         batched = s.attend("l", torch.cat([q[:, :, :1], q[:, :, :1]]), torch.stack([k[:, :1], other_k[:, :1]]),
                            torch.stack([v[:, :1], other_v[:, :1]]), None, 0.25)
     torch.testing.assert_close(batched[0], alone[0], atol=0, rtol=0)
+
+
+def _window_rows(observation: torch.Tensor) -> list:
+    """The observed queries as a sorted list of rows (the window is read as a set)."""
+    return sorted(observation.transpose(0, 1).reshape(observation.shape[1], -1).tolist())
+
+
+def test_a_full_window_holds_the_latest_queries_and_a_chunk_sees_them_in_order():
+    """Decode steps over a full observation window overwrite its oldest query in place; the
+    window always holds exactly the latest W queries, and a later chunk of several tokens is
+    appended after them in the order they came."""
+    cache = _cache(page_size=8, sink_tokens=0, recent_tokens=8, observation_window=4)
+    entry_queries = [torch.randn(4, 1, 16, generator=torch.Generator().manual_seed(i)) for i in range(11)]
+    cache.observe(0, torch.randn(4, 6, 16), kv_heads=2)  # a prefill chunk fills the window
+    for i, q in enumerate(entry_queries):
+        cache.observe(0, q, kv_heads=2)
+        latest = torch.cat(entry_queries[max(0, i - 3): i + 1], dim=1).to(torch.float16)
+        if i >= 3:
+            assert _window_rows(cache.sequences[0].observation) == _window_rows(latest)
+    chunk = torch.randn(4, 2, 16)
+    cache.observe(0, chunk, kv_heads=2)
+    expected = torch.cat(entry_queries[-2:] + [chunk], dim=1).to(torch.float16)
+    assert torch.equal(cache.sequences[0].observation, expected)
+
+
+def test_a_window_made_under_inference_mode_takes_decode_queries_outside_it():
+    cache = _cache(page_size=8, sink_tokens=0, recent_tokens=8, observation_window=4)
+    with torch.inference_mode():
+        cache.observe(0, torch.randn(4, 6, 16), kv_heads=2)
+    q = torch.randn(4, 1, 16)
+    cache.observe(0, q, kv_heads=2)  # cannot write an inference tensor in place here: rebuilt instead
+    assert torch.equal(cache.sequences[0].observation[:, -1], q[:, 0].to(torch.float16))
