@@ -12,7 +12,9 @@ all lengths instead, for the real model, whose long prefills take minutes; the p
 in the session, so a short call compiles the same shapes), each mode times (best of `--reps`) the whole generate call
 (prefill + `new` tokens), stamping the end of each forward inside the call, so the time to the
 first token and the decode rate (`new - 1` steps over the time from the first token to the last)
-come from the same call. Each figure is the best of the reps. Reported per mode and length: total seconds, end-to-end tokens/s
+come from the same call. Each figure is the best of the reps. `--rounds N` runs the modes'
+processes N times in turn (hf, kvtopo, hf, kvtopo, ...) and keeps each figure's best over the rounds:
+on a shared machine whose speed drifts between processes, every mode then meets the same drift. Reported per mode and length: total seconds, end-to-end tokens/s
 (`new / total`), decode tokens/s, KV bytes held, peak RSS of the process (over all lengths it ran,
 so the longest prompt's), and agreement of the greedy tokens with the lossless session's (which
 equal a no-cache recomputation with the uncompiled model; at these lengths HF generate's own tokens
@@ -197,6 +199,22 @@ def run_mode(mode: str, model_name: str, prompts: list[int], new: int, reps: int
     return rows
 
 
+def best_of_rounds(rows: list[dict]) -> dict:
+    """One mode's row for one prompt over the rounds: each time its best (the rates follow), peak
+    RSS the largest, the decode breakdown of the round with the best decode; every round's total
+    kept. Greedy tokens are the same in every round."""
+    best = dict(min(rows, key=lambda r: r["decode_s"]))
+    for key in ("total_s", "first_token_s", "decode_s"):
+        best[key] = min(r[key] for r in rows)
+    best["tokens_per_s"] = best["new"] / best["total_s"]
+    best["decode_tokens_per_s"] = (best["new"] - 1) / best["decode_s"]
+    best["peak_rss_mb"] = max(r["peak_rss_mb"] for r in rows)
+    best["round_totals_s"] = [r["total_s"] for r in rows]
+    if any(r["tokens"] != best["tokens"] for r in rows):
+        raise SystemExit(f"{best['mode']}: the rounds generated different tokens")
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, nargs="+", default=[4096])
@@ -212,28 +230,38 @@ def main() -> None:
                    help="also time, per decode step, kvtopo's attention op and the C kernel inside it")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of every mode (1: steadier on a shared machine)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the modes' processes this many times in turn (hf, kvtopo, hf, kvtopo, ...) and keep "
+                        "each figure's best over all rounds, so that a drift of the machine's speed between "
+                        "processes reaches every mode alike")
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.new < 2:
         p.error("--new must be >= 2 (the decode rate is measured beyond the first token)")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if args.mode:
         print(json.dumps(run_mode(args.mode, args.model, args.prompts, args.new, args.reps, args.dtype, args.warmup,
                                   args.breakdown, args.threads)))
         return
     load_before = os.getloadavg()
     modes = list(dict.fromkeys(args.modes if "hf" in args.modes else ["hf", *args.modes]))  # run in this order
-    by_mode = {}
-    for mode in modes:
-        print(f"running {mode} at {args.prompts} ...", flush=True)
-        done = subprocess.run([sys.executable, __file__, "--mode", mode, "--model", args.model, "--prompts", *map(str, args.prompts),
-                               "--new", str(args.new), "--reps", str(args.reps), "--dtype", args.dtype,
-                               "--threads", str(args.threads),
-                               *(["--warmup", str(args.warmup)] if args.warmup else []),
-                               *(["--breakdown"] if args.breakdown else [])],
-                              capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"{mode} failed:\n{done.stderr[-3000:]}")
-        by_mode[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    runs = {mode: [] for mode in modes}  # per mode, each round's rows
+    for round_ in range(args.rounds):
+        for mode in modes:
+            print(f"running {mode} at {args.prompts} (round {round_ + 1} of {args.rounds}) ...", flush=True)
+            done = subprocess.run([sys.executable, __file__, "--mode", mode, "--model", args.model,
+                                   "--prompts", *map(str, args.prompts),
+                                   "--new", str(args.new), "--reps", str(args.reps), "--dtype", args.dtype,
+                                   "--threads", str(args.threads),
+                                   *(["--warmup", str(args.warmup)] if args.warmup else []),
+                                   *(["--breakdown"] if args.breakdown else [])],
+                                  capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"{mode} failed:\n{done.stderr[-3000:]}")
+            runs[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    by_mode = {mode: [best_of_rounds([rows[i] for rows in rounds]) for i in range(len(args.prompts))]
+               for mode, rounds in runs.items()}
     rows = []
     print(f"{'prompt':>7} {'mode':9} {'total s':>8} {'tok/s vs HF':>11} {'decode tok/s vs HF':>18} "
           f"{'peak RSS MB':>11} {'KV bytes':>10} {'= lossless':>10}")
@@ -254,7 +282,7 @@ def main() -> None:
                 print(f"{'':17} decode step {b['step']:.2f} ms: attention op {b['attention_op']:.2f} ms "
                       f"(C kernel {b['c_kernel']:.2f}), the rest of the model {b['step'] - b['attention_op']:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "threads": args.threads, "model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else f"{args.model} zoo",
+    args.out.write_text(json.dumps({"rows": rows, "threads": args.threads, "rounds": args.rounds, "model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else f"{args.model} zoo",
                                     "dtype": args.dtype if args.model == "smollm2" else "float32", "reps": args.reps,
                                     "load_avg_before": [round(x, 2) for x in load_before],
                                     "load_avg_after": [round(x, 2) for x in os.getloadavg()]}, indent=1))
