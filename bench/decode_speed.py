@@ -107,20 +107,22 @@ STREAM_FLOATS = 64 << 20  # 256 MiB: far beyond the private caches
 SGEMM_SIZE = 1024
 
 
-def structured_kv(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def structured_kv(n: int, seed: int = 0, kv_heads: int = HKV, head_dim: int = D) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [kv_heads, n, head_dim] (see the module docstring; rank 64 at most head_dim)."""
     g = torch.Generator().manual_seed(seed)
 
     def side():
-        rank = 64
+        rank = min(64, head_dim)
         energy = torch.exp(-torch.arange(rank) / 12.0)
-        basis = torch.linalg.qr(torch.randn(HKV, D, rank, generator=g))[0]
-        offset = torch.zeros(HKV, 1, D)
+        basis = torch.linalg.qr(torch.randn(kv_heads, head_dim, rank, generator=g))[0]
+        offset = torch.zeros(kv_heads, 1, head_dim)
         offset[..., :4] = 3.0
-        x = torch.empty(HKV, n, D)
+        x = torch.empty(kv_heads, n, head_dim)
         for i in range(0, n, 8192):  # chunked: bounded temporaries
             m = min(8192, n - i)
-            latent = torch.randn(HKV, m, rank, generator=g) * energy
-            x[:, i: i + m] = 4 * latent @ basis.transpose(1, 2) + offset + 0.05 * torch.randn(HKV, m, D, generator=g)
+            latent = torch.randn(kv_heads, m, rank, generator=g) * energy
+            noise = 0.05 * torch.randn(kv_heads, m, head_dim, generator=g)
+            x[:, i: i + m] = 4 * latent @ basis.transpose(1, 2) + offset + noise
         return x
 
     return side(), side()
@@ -268,12 +270,13 @@ def main() -> None:
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
-def grow(cache, seq: int, keys: torch.Tensor, values: torch.Tensor, start: int, end: int) -> None:
+def grow(cache, seq: int, keys: torch.Tensor, values: torch.Tensor, start: int, end: int, q_heads: int = HQ) -> None:
     """Append tokens [start, end) of one sequence to the layer store in 4096-token chunks, as
     ``Session.attend`` stores them after attending (observe + append)."""
+    kv_heads, _, head_dim = keys.shape
     for i in range(start, end, 4096):
         j = min(end, i + 4096)
-        cache.observe(seq, torch.randn(HQ, min(j - i, 32), D) * 0.3, HKV)
+        cache.observe(seq, torch.randn(q_heads, min(j - i, 32), head_dim) * 0.3, kv_heads)
         cache.append(seq, keys[:, i:j], values[:, i:j])
 
 

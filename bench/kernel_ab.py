@@ -1,14 +1,16 @@
 """Two builds of the CPU decode kernel, timed alternately on the same store: is a change faster?
 
     python bench/kernel_ab.py --base HEAD~1 [--candidate WORKTREE] [--configs default 8x]
-                              [--length 32768] [--threads 1] [--rounds 12] [--calls 40]
+                              [--layer llama3-8b|smollm2] [--length 32768] [--threads 1]
+                              [--rounds 12] [--calls 40]
 
 On this shared machine the speed of a core drifts by 10-20% between runs minutes apart, so two
 runs of bench/decode_speed.py cannot tell a 5% change of the kernel from the drift. Here both
 builds (kernels/csrc/mid_decode.cpp at git revision `--base`, and at `--candidate`: a revision or
 the working tree) are loaded in one process and called in turns on the same store: each round
 times `--calls` decode steps of one build, then of the other, so both see the same drift. The
-store and query are bench/decode_speed.py's (one Llama-3-8B-shaped layer, structured K/V, one
+store and query are bench/decode_speed.py's (one Llama-3-8B-shaped layer, or with `--layer
+smollm2` one of SmolLM2's shape: 9 query heads, 3 kv-heads of 64 dims; structured K/V, one
 sequence grown to `--length`); the step is `cpu_decode_batch` over its DecodeSegments (the
 segments gathered once: only the kernel differs). Codes are warm (read by the previous call).
 Both builds' outputs are checked against each other and the float64 reference first.
@@ -35,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kvtopo  # noqa: E402
-from decode_speed import CONFIGS, D, HKV, HQ, SCALE, grow, rel_err, structured_kv  # noqa: E402
+from decode_speed import CONFIGS, D, HKV, HQ, grow, rel_err, structured_kv  # noqa: E402
 from kvtopo.kernels import cpu_decode  # noqa: E402
 from kvtopo.kernels.decode_reference import reference_decode  # noqa: E402
 from kvtopo.runtime import decode_view  # noqa: E402
@@ -44,6 +46,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 SOURCE = cpu_decode.SOURCE.relative_to(ROOT)
 WORKTREE = "WORKTREE"
+# Attention layer shapes (query heads, kv-heads, head dim): bench/decode_speed.py's, and SmolLM2's
+# (the model of bench/generate_speed.py --model smollm2).
+LAYERS = {"llama3-8b": (HQ, HKV, D), "smollm2": (9, 3, 64)}
 
 
 def git(*args: str) -> bytes:
@@ -71,6 +76,7 @@ def main() -> None:
     ap.add_argument("--base", required=True, help="git revision of the kernel source to compare against")
     ap.add_argument("--candidate", default=WORKTREE, help=f"git revision, or {WORKTREE} (default)")
     ap.add_argument("--configs", nargs="+", default=["default", "8x"], choices=sorted(CONFIGS))
+    ap.add_argument("--layer", choices=sorted(LAYERS), default="llama3-8b", help="the layer's shape")
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=12)
@@ -87,21 +93,25 @@ def main() -> None:
             digest = identity["source_sha256"]
             builds[role] = {**identity, "kernel": cpu_decode.build_kernel(path, f"kvtopo_ab_{digest}")}
 
-    keys, values = structured_kv(args.length + 1, seed=0)
+    q_heads, kv_heads, head_dim = LAYERS[args.layer]
+    scale = head_dim**-0.5
+    keys, values = structured_kv(args.length + 1, seed=0, kv_heads=kv_heads, head_dim=head_dim)
     k_new, v_new = keys[:, args.length:].clone(), values[:, args.length:].clone()
-    q = torch.randn(1, HQ, 1, D, generator=torch.Generator().manual_seed(0)) * 0.3
-    result = {"benchmark": "kernel_ab", "length": args.length, "threads": args.threads, "rounds": args.rounds,
+    q = torch.randn(1, q_heads, 1, head_dim, generator=torch.Generator().manual_seed(0)) * 0.3
+    result = {"benchmark": "kernel_ab", "layer": {"name": args.layer, "q_heads": q_heads, "kv_heads": kv_heads,
+                                                  "head_dim": head_dim},
+              "length": args.length, "threads": args.threads, "rounds": args.rounds,
               "calls": args.calls, "builds": {r: {k: v for k, v in b.items() if k != "kernel"} for r, b in builds.items()},
               "load_before": os.getloadavg(), "configs": {}}
     for name in args.configs:
         with kvtopo.session(CONFIGS[name]) as s:
-            s.attend_sequence("layer0", 0, q[0].expand(HQ, 64, D), keys[:, :64], values[:, :64], SCALE)
-            grow(s.layers["layer0"], 0, keys, values, 64, args.length)
+            s.attend_sequence("layer0", 0, q[0].expand(q_heads, 64, head_dim), keys[:, :64], values[:, :64], scale)
+            grow(s.layers["layer0"], 0, keys, values, 64, args.length, q_heads=q_heads)
             segs = decode_view.decode_segments(s.layers["layer0"], 0, k_new, v_new)
-            expected = reference_decode(q[0, :, 0], segs, SCALE)
+            expected = reference_decode(q[0, :, 0], segs, scale)
 
             def step():
-                return cpu_decode.cpu_decode_batch(q[:, :, 0], [segs], SCALE)
+                return cpu_decode.cpu_decode_batch(q[:, :, 0], [segs], scale)
 
             minima = {role: [] for role in builds}
             errors = {}

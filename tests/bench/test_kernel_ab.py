@@ -20,13 +20,15 @@ needs_git_checkout = pytest.mark.skipif(shutil.which("git") is None or not (ROOT
 
 @needs_git_checkout
 @pytest.mark.skipif(not c_kernel_available(), reason="the C kernel cannot be built here")
-def test_both_builds_are_timed_and_checked(tmp_path):
+@pytest.mark.parametrize("layer, heads", [("llama3-8b", (32, 8, 128)), ("smollm2", (9, 3, 64))])
+def test_both_builds_are_timed_and_checked(tmp_path, layer, heads):
     out = tmp_path / "ab.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--base", "HEAD", "--configs", "8x", "--length", "1024",
-                           "--rounds", "2", "--calls", "2", "--out", str(out)],
+                           "--layer", layer, "--rounds", "2", "--calls", "2", "--out", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
+    assert (result["layer"]["q_heads"], result["layer"]["kv_heads"], result["layer"]["head_dim"]) == heads
     assert result["builds"]["base"]["revision"] == "HEAD" and result["builds"]["candidate"]["commit"] == "WORKTREE"
     row = result["configs"]["8x"]
     assert set(row["rel_err_vs_float64"]) == {"base", "candidate"}
