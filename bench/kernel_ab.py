@@ -91,7 +91,11 @@ def main() -> None:
             path, identity = source_at(revision, Path(tmp))
             print(f"building {role} ({identity})", flush=True)
             digest = identity["source_sha256"]
-            builds[role] = {**identity, "kernel": cpu_decode.build_kernel(path, f"kvtopo_ab_{digest}")}
+            try:
+                kernel = cpu_decode.build_kernel(path, f"kvtopo_ab_{digest}")
+            except (OSError, RuntimeError, ImportError) as error:
+                raise SystemExit(f"kernel_ab: building the {role} kernel ({revision}) failed:\n{error}") from error
+            builds[role] = {**identity, "kernel": kernel}
 
     q_heads, kv_heads, head_dim = LAYERS[args.layer]
     scale = head_dim**-0.5
