@@ -117,16 +117,19 @@ def main() -> None:
             def step():
                 return cpu_decode.cpu_decode_batch(q[:, :, 0], [segs], scale)
 
+            def use(build: dict) -> None:  # the kernel cpu_decode_batch calls
+                cpu_decode.mid_kernel = lambda: build["kernel"]
+
             minima = {role: [] for role in builds}
             errors = {}
             own_kernel = cpu_decode.mid_kernel
             try:
                 for role, build in builds.items():
-                    cpu_decode.mid_kernel = lambda kernel=build["kernel"]: kernel
+                    use(build)
                     errors[role] = rel_err(step()[0], expected)
                 for _ in range(args.rounds):
                     for role, build in builds.items():
-                        cpu_decode.mid_kernel = lambda kernel=build["kernel"]: kernel
+                        use(build)
                         best = float("inf")
                         for _ in range(args.calls):
                             start = time.perf_counter()

@@ -125,22 +125,22 @@ template <int T, int GG>
 static void weigh_rows(float *a, int a_stride, const float *u, int u_stride, const float *w, int w_stride, int nb) {
 #if defined(__AVX512F__)
     if (T >= 2) {
-        constexpr int W = T / 2, R = T % 2;
-        v16f wide[GG][W > 0 ? W : 1] = {};
-        v8f rest[GG][R > 0 ? R : 1] = {};
+        constexpr int W = T / 2;  // 16-wide sums per head; an odd T leaves one 8-wide (`rest`)
+        v16f wide[GG][W] = {};
+        v8f rest[GG] = {};
         for (int i = 0; i < nb; ++i) {
             const float *row = u + (size_t)i * u_stride;
             for (int g = 0; g < GG; ++g) {
                 const float x = w[(size_t)i * w_stride + g];
                 const v16f p = {x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
                 for (int t = 0; t < W; ++t) wide[g][t] += p * load16(row + 16 * t);
-                if (R) rest[g][0] += splat(x) * load8(row + 16 * W);
+                if (T % 2) rest[g] += splat(x) * load8(row + 16 * W);
             }
         }
         for (int g = 0; g < GG; ++g) {
             float *ag = a + (size_t)g * a_stride;
             for (int t = 0; t < W; ++t) store16(ag + 16 * t, load16(ag + 16 * t) + wide[g][t]);
-            if (R) store8(ag + 16 * W, load8(ag + 16 * W) + rest[g][0]);
+            if (T % 2) store8(ag + 16 * W, load8(ag + 16 * W) + rest[g]);
         }
         return;
     }
