@@ -141,7 +141,8 @@ def cpu_decode_batch(q: Tensor, segs: Sequence[DecodeSegments], scale: float,
         if s.mid is None and s.mid_other is not None:
             attend = partial_lowrank if s.mid_other_projected else partial_dense
             parts[b].append(_single(attend(q[b, :, None], *s.mid_other, scale, softcap=softcap)))
-        for epoch in ((s.mid,) if s.mid is not None and s.mid.tokens else ()) + tuple(s.retired):
+        current = (s.mid,) if s.mid is not None and s.mid.tokens and not (kernel and _batch_wide_mid(s)) else ()
+        for epoch in current + tuple(s.retired):
             if isinstance(epoch, MidCodes):
                 coded.append((b, epoch))
             else:
@@ -169,16 +170,16 @@ def _kernel_partials(kernel, q: Tensor, segs: Sequence[DecodeSegments], coded: S
                      parts: list[list[tuple[Tensor, Tensor]]], scale: float,
                      softcap: float | None) -> list[tuple[Tensor, Tensor]]:
     """One kernel call over every exact (paged and explicit), Recent and coded Mid segment of the
-    batch. Mid results go to ``parts[b]``; exact and Recent results come back as batch-wide partials (out [B, Hq,
-    dv], lse [B, Hq]; -inf where a sequence has none), written by the kernel straight into
-    their rows. The scaled query and its zero mean term are made once for the batch: exact,
-    Recent and an unprojected Mid read them as they are (an identity basis)."""
+    batch. Exact, Recent and current unprojected Mid results come back as batch-wide partials
+    (out [B, Hq, dv], lse [B, Hq]; -inf where a sequence has none), written by the kernel
+    straight into their rows; the other Mid epochs' (``coded``) go to ``parts[b]``. The scaled
+    query and its zero mean term are made once for the batch: exact, Recent and an unprojected
+    Mid read them as they are (an identity basis)."""
     batch, hq, d = q.shape
     heads = segs[0].kv_heads
-    qs = (scale * q.float()).reshape(batch, heads, hq // heads, d).contiguous()
-    zero = qs.new_zeros(qs.shape[:3])
+    qs = q.float().mul(scale).reshape(batch, heads, hq // heads, d).contiguous()
     # Per-sequence views by one unbind each, not one Python index per segment (each ~µs).
-    qs_rows, zero_rows = qs.unbind(0), zero.unbind(0)
+    qs_rows, zero_rows = qs.unbind(0), _zero_query_terms(batch, heads, hq // heads)
     tensors: list[Tensor] = []
     ints: list[int] = []
 
@@ -187,22 +188,24 @@ def _kernel_partials(kernel, q: Tensor, segs: Sequence[DecodeSegments], coded: S
         ints.extend(seg_ints)
         ints.append(max(1, -(-seg_ints[0] // ROWS_PER_SPLIT)))
 
+    present = [(kind, args, rows, width(segs[rows[0]])) for kind, width, args in _BATCH_WIDE
+               if (rows := [b for b, s in enumerate(segs) if width(s)])]
     whole = []
-    for kind, width, args in (  # kind: the DecodeSegments field; width: its value width, if present
-            ("exact_pages", lambda x: x.tokens and x.values.shape[-1], _paged_exact_args),
-            ("exact", lambda x: x[0].shape[1] and x[1].shape[-1], _exact_args),
-            ("recent", lambda x: x.tokens and x.dv, _codes_args)):
-        rows = [b for b, s in enumerate(segs) if getattr(s, kind) is not None and width(getattr(s, kind))]
-        if not rows:
-            continue
-        dv = width(getattr(segs[rows[0]], kind))
-        full = len(rows) == batch  # else the rows without this kind must read as empty
-        out = qs.new_empty(batch, heads, hq // heads, dv)  # rows with lse -inf are never read
-        lse = qs.new_empty(qs.shape[:3]) if full else qs.new_full(qs.shape[:3], -float("inf"))
+    if present:
+        # One out and one lse buffer for every kind's rows: kind k's partial is slice k.
+        widths = {dv for *_, dv in present}
+        if len(widths) != 1:
+            raise ValueError(f"a layer's segments disagree on the value width: {sorted(widths)}")
+        dv, kinds = widths.pop(), len(present)
+        full = all(len(rows) == batch for _, _, rows, _ in present)  # else missing rows must read as empty
+        out = qs.new_empty(kinds * batch, heads, hq // heads, dv)  # rows with lse -inf are never read
+        lse = qs.new_empty(out.shape[:3]) if full else qs.new_full(out.shape[:3], -float("inf"))
         out_rows, lse_rows = out.unbind(0), lse.unbind(0)
-        for b in rows:
-            add(*args(qs_rows[b], zero_rows[b], getattr(segs[b], kind), out_rows[b], lse_rows[b]))
-        whole.append((out.view(batch, hq, dv), lse.view(batch, hq)))
+        for k, (kind, args, rows, _) in enumerate(present):
+            for b in rows:
+                add(*args(qs_rows[b], zero_rows[b], getattr(segs[b], kind), out_rows[k * batch + b],
+                          lse_rows[k * batch + b]))
+        whole = list(zip(out.view(kinds, batch, hq, dv).unbind(0), lse.view(kinds, batch, hq).unbind(0)))
     mids = []
     for b, mid in coded:
         qp, qb = mid.query_terms(q[b], scale) if mid.projected else (qs_rows[b], zero_rows[b])
@@ -214,6 +217,19 @@ def _kernel_partials(kernel, q: Tensor, segs: Sequence[DecodeSegments], coded: S
     for b, mid, out, lse in mids:
         parts[b].append((mid.values_out(out).reshape(hq, -1), lse.reshape(-1)))
     return whole
+
+
+@functools.lru_cache(maxsize=16)
+def _zero_query_terms(batch: int, heads: int, group: int) -> tuple[Tensor, ...]:
+    """Each sequence's zero mean term [Hkv, G] of an identity basis: read-only for the kernel,
+    so one buffer per shape serves every call."""
+    return torch.zeros(batch, heads, group).unbind(0)
+
+
+def _batch_wide_mid(s: DecodeSegments) -> bool:
+    """Whether the current Mid epoch is read on an identity basis, so that its result needs no
+    per-sequence projection back and joins the batch-wide partials."""
+    return isinstance(s.mid, MidCodes) and not s.mid.projected
 
 
 def _kernel_merge(kernel, whole: list[tuple[Tensor, Tensor]], parts: list[list[tuple[Tensor, Tensor]]],
@@ -229,8 +245,13 @@ def _kernel_merge(kernel, whole: list[tuple[Tensor, Tensor]], parts: list[list[t
             outs.append(out), lses.append(lse), first.append(b * hq)
     dv = outs[0].shape[-1]
     merged = outs[0].new_empty(len(parts) * hq, dv, dtype=torch.float32)
-    kernel.merge_parts([x.float().contiguous() for x in outs], [x.float().contiguous() for x in lses], first, merged)
+    kernel.merge_parts([_float32(x) for x in outs], [_float32(x) for x in lses], first, merged)
     return merged.view(len(parts), hq, dv)
+
+
+def _float32(x: Tensor) -> Tensor:
+    """x as a contiguous float32 tensor (the kernel's own partials already are: no call)."""
+    return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
 
 
 def _single(part: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
@@ -359,6 +380,17 @@ def _paged_exact_args(qp: Tensor, qb: Tensor, pages: PagedExact, out: Tensor,
             8 * size, heads, dk, size * dk, size * page * dk, 0, 0, 0, page, size * heads * page * dk,
             8 * size, heads, dv, size * dv, size * page * dv, 0, 0, 0, page, size * heads * page * dv]
     return tensors, ints
+
+
+# The segments read into batch-wide partials: (DecodeSegments field, its value width in a
+# sequence's segments (falsy: none to read), its kernel arguments).
+_BATCH_WIDE = (
+    ("exact_pages", lambda s: s.exact_pages is not None and s.exact_pages.tokens and s.exact_pages.values.shape[-1],
+     _paged_exact_args),
+    ("exact", lambda s: s.exact is not None and s.exact[0].shape[1] and s.exact[1].shape[-1], _exact_args),
+    ("recent", lambda s: s.recent is not None and s.recent.tokens and s.recent.dv, _codes_args),
+    ("mid", lambda s: _batch_wide_mid(s) and s.mid.tokens and s.mid.value_width, _codes_args),
+)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,168 @@
+"""What a batched decode step costs per layer outside the C kernel, by batch size.
+
+    python bench/decode_python.py [--batches 1 4 16] [--length 1024] [--steps 96] [--rounds 3]
+                                  [--layer smollm2|llama3-8b] [--threads 1] [--out FILE]
+
+The decode step a `Session` runs for a batch of sequences in one layer (`Session._decode_batch`:
+each token written in place or appended, one batched kernel call, the queries observed) is timed
+on a real `kvtopo.session(kvtopo.Config())` store: `--batches` sequences of structured K/V (see
+bench/decode_speed.py) grown to about `--length` tokens, staggered by 7 tokens each so that their
+pages fill on different steps, as in a serving batch. Each round times `--steps` steps (page moves
+included) twice: with the C kernel (`step`), and with the kernel's calls replaced by ones that do
+nothing (`python`: what the step costs around the kernel). Reports each batch size's median and
+mean per step over all rounds, the median of the steps in which no sequence opened a page (no page
+moved between phases: `steady_median_us`), and `python` per sequence: the figure that says how
+far the decode path is from costing the same Python at every batch size. Writes
+bench/results/decode_python.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kvtopo  # noqa: E402
+from decode_speed import grow, structured_kv  # noqa: E402
+from kernel_ab import LAYERS  # noqa: E402
+from kvtopo.kernels import cpu_decode  # noqa: E402
+from kvtopo.runtime.session import Session  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+STAGGER = 7  # tokens between neighbouring sequences' lengths
+
+
+class _NullKernel:
+    """The C kernel's two entry points doing nothing (merged output zeros): the step's Python
+    alone. The store does not read attention outputs, so the steps still move the same pages."""
+
+    def decode_segments(self, tensors, ints, threads, softcap) -> None:
+        pass
+
+    def merge_parts(self, outs, lses, first, merged) -> None:
+        merged.zero_()
+
+
+@contextlib.contextmanager
+def kernel_replaced():
+    real = cpu_decode.mid_kernel
+    cpu_decode.mid_kernel = _NullKernel
+    try:
+        yield
+    finally:
+        cpu_decode.mid_kernel = real
+
+
+def batch_store(batch: int, length: int, layer: tuple[int, int, int], scale: float):
+    """A session with `batch` sequences in layer "layer0", sequence b grown to length + 7b % page."""
+    hq, hkv, d = layer
+    session = kvtopo.session(kvtopo.Config())
+    session.__enter__()
+    page = session.config.page_size
+    q = torch.randn(batch, hq, 1, d, generator=torch.Generator().manual_seed(1)) * 0.3
+    for b in range(batch):
+        keys, values = structured_kv(length + page, seed=b, kv_heads=hkv, head_dim=d)
+        session.attend_sequence("layer0", b, q[b].expand(hq, 64, d), keys[:, :64], values[:, :64], scale)
+        grow(session.layers["layer0"], b, keys, values, 64, length + STAGGER * b % page, q_heads=hq)
+    return session, q
+
+
+def time_steps(cache, seqs: list[int], q, k_new, v_new, scale: float, steps: int) -> list[tuple[float, bool]]:
+    """(seconds, whether a sequence opened a page: its pages moved) of each of `steps` steps."""
+    times = []
+    for _ in range(steps):
+        pages = sum(len(cache.sequences[seq].pages) for seq in seqs)
+        start = time.perf_counter()
+        Session._decode_batch(cache, seqs, q, k_new, v_new, scale, None)
+        elapsed = time.perf_counter() - start
+        times.append((elapsed, sum(len(cache.sequences[seq].pages) for seq in seqs) != pages))
+    return times
+
+
+def measure(batch: int, args, layer: tuple[int, int, int]) -> dict:
+    hq, hkv, d = layer
+    scale = d ** -0.5
+    gen = torch.Generator().manual_seed(2)
+    k_new, v_new = (torch.randn(batch, hkv, 1, d, generator=gen) for _ in range(2))
+    times = {"step": [], "python": []}
+    for _ in range(args.rounds):
+        for name in times:  # a fresh store per measurement: both see the same page moves
+            session, q = batch_store(batch, args.length, layer, scale)
+            try:
+                cache, seqs = session.layers["layer0"], list(range(batch))
+                with kernel_replaced() if name == "python" else contextlib.nullcontext():
+                    time_steps(cache, seqs, q, k_new, v_new, scale, 2)  # warm-up
+                    times[name] += time_steps(cache, seqs, q, k_new, v_new, scale, args.steps)
+            finally:
+                session.__exit__(None, None, None)
+    row = {"batch": batch}
+    for name, values in times.items():
+        every = [t for t, _ in values]
+        steady = [t for t, moved in values if not moved]
+        row[name] = {"median_us": 1e6 * statistics.median(every), "mean_us": 1e6 * statistics.mean(every),
+                     "steady_median_us": 1e6 * statistics.median(steady) if steady else None,
+                     "steps_moving_pages": sum(moved for _, moved in values), "steps": len(values)}
+    row["python_per_sequence_us"] = {k: v / batch for k, v in row["python"].items()
+                                     if k.endswith("_us") and v is not None}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--length", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layer", choices=sorted(LAYERS), default="smollm2")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=RESULTS / "decode_python.json")
+    args = ap.parse_args()
+    if min(args.batches) < 1 or args.steps < 1 or args.rounds < 1 or args.length < 64:
+        ap.error("--batches, --steps and --rounds must be at least 1, --length at least 64")
+    if not cpu_decode.c_kernel_available():
+        raise SystemExit("decode_python: the C kernel did not build; this bench times the path that uses it")
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    rows = []
+    for batch in args.batches:
+        rows.append(measure(batch, args, LAYERS[args.layer]))
+        r = rows[-1]
+        steady = r["python"]["steady_median_us"]
+        print(f"batch {batch:3d}: step median {r['step']['median_us']:8.0f} us (mean {r['step']['mean_us']:8.0f}); "
+              f"python median {r['python']['median_us']:8.0f} us (mean {r['python']['mean_us']:8.0f}, "
+              f"steps moving no page {'-' if steady is None else f'{steady:.0f}'}); "
+              f"per sequence {r['python_per_sequence_us']['mean_us']:6.1f} us (mean)", flush=True)
+    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    result = {
+        "benchmark": "decode_python",
+        "revision": revision,
+        "layer": dict(zip(("q_heads", "kv_heads", "head_dim"), LAYERS[args.layer]), name=args.layer),
+        "config": "Config()",
+        "length": args.length,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__},
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
