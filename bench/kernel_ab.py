@@ -126,7 +126,13 @@ def main() -> None:
             try:
                 for role, build in builds.items():
                     use(build)
-                    errors[role] = rel_err(step()[0], expected)
+                    try:
+                        errors[role] = rel_err(step()[0], expected)
+                    except RuntimeError as error:  # the build's checks refuse what the store hands over
+                        raise SystemExit(
+                            f"kernel_ab: the {role} kernel ({build['revision']}) refused the store's segments "
+                            f"(kernels that read float32 statistics only are older than the store's float16 "
+                            f"ones; choose a later --{role}):\n{error}") from error
                 for _ in range(args.rounds):
                     for role, build in builds.items():
                         use(build)

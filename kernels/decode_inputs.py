@@ -21,7 +21,8 @@ class RecentCodes:
 
     k_codes [Hkv, Nr, ceil(dk*bits/8)] uint8 with per-page per-channel statistics
     k_scale/k_offset [Hkv, Nr // page_size, dk]; v_codes [Hkv, Nr, ceil(dv*bits/8)] with
-    per-token statistics v_scale/v_offset [Hkv, Nr]. Statistics float32. Recent pages are always
+    per-token statistics v_scale/v_offset [Hkv, Nr]. Statistics as the pages keep them (float16,
+    or float32 where a value is beyond float16's range). Recent pages are always
     full pages (only the last page of a sequence is partial, and it is Terminal), so token t's
     key statistics are row t // page_size.
     """
@@ -43,10 +44,9 @@ class RecentCodes:
         a small copy, nothing decoded."""
         keys, values = [k for k, _ in pages], [v for _, v in pages]
         return cls(
-            torch.cat([k.codes for k in keys], 1), torch.cat([k.scale.float() for k in keys], 1),
-            torch.cat([k.offset.float() for k in keys], 1), torch.cat([v.codes for v in values], 1),
-            torch.cat([v.scale.float()[..., 0] for v in values], 1),
-            torch.cat([v.offset.float()[..., 0] for v in values], 1),
+            torch.cat([k.codes for k in keys], 1), torch.cat([k.scale for k in keys], 1),
+            torch.cat([k.offset for k in keys], 1), torch.cat([v.codes for v in values], 1),
+            torch.cat([v.scale[..., 0] for v in values], 1), torch.cat([v.offset[..., 0] for v in values], 1),
             keys[0].bits, page_size, keys[0].length, values[0].length)
 
     @classmethod
@@ -79,7 +79,8 @@ class MidCodes:
 
     k_rows [N, ceil(Ck*k_bits/8)] uint8, codes of all kv-heads side by side (head h's columns
     are k_starts[h] .. k_starts[h] + k_ranks[h]), first code in the low bits; k_scale/k_offset
-    [Pm, Ck] float32, one statistics row per page that kept rows; row_stat [N] int32: the
+    [Pm, Ck] as the store keeps them (float16, or float32 where a value is beyond float16's
+    range), one statistics row per page that kept rows; row_stat [N] int32: the
     statistics row of each code row. Values alike. Bases: k_vectors [Hkv, dk, Rk] (zero beyond
     each head's rank), k_mean [Hkv, dk]; v_vectors [Hkv, dv, Rv], v_mean [Hkv, dv], float32.
     k_starts/k_ranks/v_starts/v_ranks: int32 [Hkv].

@@ -323,8 +323,8 @@ def _dense_rows(qs: Tensor, entries: list[int], kv: tuple[Tensor, Tensor] | None
     if recent is not None:
         k, v = recent.k_codes.contiguous(), recent.v_codes.contiguous()
         dk, dv = recent.dk, recent.dv
-        ks, ko = recent.k_scale.contiguous(), recent.k_offset.contiguous()
-        vs, vo = recent.v_scale.contiguous(), recent.v_offset.contiguous()
+        ks, ko = recent.k_scale.float().contiguous(), recent.k_offset.float().contiguous()
+        vs, vo = recent.v_scale.float().contiguous(), recent.v_offset.float().contiguous()
         page, bits = recent.page_size, recent.bits
     else:
         k, v = (x.contiguous() for x in kv)
@@ -356,9 +356,8 @@ def _mid_rows(q: Tensor, qs: Tensor, entries: list[int], mids: list[MidCodes], s
     projection back are one small product per segment."""
     first = mids[0]
     for m in mids:
-        if (m.k_rows.dtype, m.v_rows.dtype, m.row_stat.dtype) != (torch.uint8, torch.uint8, torch.int32) or any(
-                x.dtype != torch.float32 for x in (m.k_scale, m.k_offset, m.v_scale, m.v_offset)):
-            raise ValueError("Mid codes must be uint8 rows, float32 statistics and int32 row_stat "
+        if (m.k_rows.dtype, m.v_rows.dtype, m.row_stat.dtype) != (torch.uint8, torch.uint8, torch.int32):
+            raise ValueError("Mid codes must be uint8 rows and int32 row_stat "
                              "(the kernel reads them through their addresses)")
     if any((m.k_bits, m.v_bits, m.projected, m.value_stats_per_row) !=
            (first.k_bits, first.v_bits, first.projected, first.value_stats_per_row) for m in mids):
@@ -373,8 +372,9 @@ def _mid_rows(q: Tensor, qs: Tensor, entries: list[int], mids: list[MidCodes], s
     else:
         qp, qb = qs[index].contiguous(), qs.new_zeros(len(entries), heads, rows)
     width = max(m.value_width for m in mids)
-    held = [[x.contiguous() for x in (m.k_rows, m.k_scale, m.k_offset, m.v_rows, m.v_scale, m.v_offset, m.row_stat)]
-            for m in mids]  # alive until the launch is queued (stream order keeps them for the kernel)
+    held = [[x.contiguous() for x in (m.k_rows, m.k_scale.float(), m.k_offset.float(), m.v_rows, m.v_scale.float(),
+                                      m.v_offset.float(), m.row_stat)]
+            for m in mids]  # alive until the launch is queued (stream order keeps them for the kernel); float32 statistics
     addr = _table([[x.data_ptr() for x in h] for h in held], torch.int64, device)
     dims = _table([[m.tokens, h[0].shape[1], h[3].shape[1], h[1].shape[1], h[4].shape[1]] for m, h in zip(mids, held)],
                   torch.int32, device)

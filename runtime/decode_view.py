@@ -22,11 +22,6 @@ def _row_stat(coded: CodedRows) -> Tensor:
     return torch.repeat_interleave(torch.arange(counts.numel()), counts).to(torch.int32).to(coded.rows.device)
 
 
-def _stats_f32(coded: CodedRows) -> tuple[Tensor, Tensor]:
-    """float32 (scale, offset) of a CodedRows (stored float16)."""
-    return coded.scale.float().contiguous(), coded.offset.float().contiguous()
-
-
 _VIEWS: "weakref.WeakKeyDictionary[MidSegment, tuple]" = weakref.WeakKeyDictionary()
 
 
@@ -56,9 +51,9 @@ def _codes_view(mid: MidSegment) -> MidCodes | None:
         ks, kr = rank_columns(mid.key_bases.ranks)
         vs, vr = rank_columns(mid.value_bases.ranks)
         return MidCodes(
-            mid.keys.rows, *_stats_f32(mid.keys), e.key_bits, ks.to(dev), kr.to(dev),
+            mid.keys.rows, mid.keys.scale, mid.keys.offset, e.key_bits, ks.to(dev), kr.to(dev),
             mid.key_bases.vectors.float(), mid.key_bases.mean.float(),
-            mid.values.rows, *_stats_f32(mid.values), e.value_bits, vs.to(dev), vr.to(dev),
+            mid.values.rows, mid.values.scale, mid.values.offset, e.value_bits, vs.to(dev), vr.to(dev),
             mid.value_bases.vectors.float(), mid.value_bases.mean.float(), _row_stat(mid.keys))
     n, heads = mid.keys.rows.shape[:2]
     dk, dv = mid.keys.length, mid.values.length
@@ -66,8 +61,8 @@ def _codes_view(mid: MidSegment) -> MidCodes | None:
         return None
     ks, kr = rank_columns((dk,) * heads)
     vs, vr = rank_columns((dv,) * heads)
-    k_scale, k_offset = (s.reshape(s.shape[0], heads * dk) for s in _stats_f32(mid.keys))
-    v_scale, v_offset = (s.reshape(n, heads) for s in _stats_f32(mid.values))
+    k_scale, k_offset = (s.reshape(s.shape[0], heads * dk) for s in (mid.keys.scale, mid.keys.offset))
+    v_scale, v_offset = (s.reshape(n, heads) for s in (mid.values.scale, mid.values.offset))
     return MidCodes(
         mid.keys.rows.reshape(n, -1), k_scale, k_offset, e.key_bits, ks.to(dev), kr.to(dev), None, None,
         mid.values.rows.reshape(n, -1), v_scale, v_offset, e.value_bits, vs.to(dev), vr.to(dev), None, None,

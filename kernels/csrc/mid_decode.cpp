@@ -266,12 +266,15 @@ static inline void unpack(const uint8_t *__restrict src, int C, int bits, float 
    per kv-head, each in its own [N, bytes] block), unpacked side by side into one float row; head h's columns
    are starts[h] .. starts[h] + ranks[h] of that row and lie within one run.
    Statistics per page (row_stat): page s, run p, column j at scale[s * stat_a + p * stat_b + j];
-   per row and head (per_row, values only): row n, head h at scale[n * stat_a + h * stat_b]. */
+   per row and head (per_row, values only): row n, head h at scale[n * stat_a + h * stat_b].
+   Statistics are read as the store keeps them, float32 or float16 (widened as they are read), so
+   a step neither converts nor copies them. */
 struct Side {
     const uint8_t *rows;
     int64_t row_stride, part_stride;  // bytes
     int parts, part_codes, bits;
-    const float *scale, *offset;
+    const float *scale, *offset;            // float32 statistics, or nullptr when float16:
+    const at::Half *scale16, *offset16;     // float16 statistics, or nullptr when float32
     int64_t stat_a, stat_b;
     bool per_row;
     const int *starts, *ranks;
@@ -292,6 +295,21 @@ struct Side {
     int64_t page_stat(int64_t page, int h) const {  // offset of head h's first statistic in a page
         int p = part_codes ? starts[h] / part_codes : 0;
         return page * stat_a + p * stat_b + (starts[h] - (int64_t)p * part_codes);
+    }
+    // n statistics from `at` as float32: in place, or widened into buf (n floats, rounded up to 8).
+    const float *scales(int64_t at, int n, float *buf) const { return scale ? scale + at : widen(scale16 + at, n, buf); }
+    const float *offsets(int64_t at, int n, float *buf) const { return offset ? offset + at : widen(offset16 + at, n, buf); }
+    float scale_at(int64_t at) const { return scale ? scale[at] : static_cast<float>(scale16[at]); }
+    float offset_at(int64_t at) const { return offset ? offset[at] : static_cast<float>(offset16[at]); }
+
+  private:
+    static const float *widen(const at::Half *h, int n, float *buf) {
+        int r = 0;
+#if defined(__F16C__)
+        for (; r + 8 <= n; r += 8) _mm256_storeu_ps(buf + r, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + r))));
+#endif
+        for (; r < n; ++r) buf[r] = static_cast<float>(h[r]);
+        return buf;
     }
 };
 
@@ -387,6 +405,7 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
     std::vector<float> U((size_t)rb * UW, 0.f), w((size_t)rb * HGp);
     std::unique_ptr<float[]> logits(new float[(size_t)per * HGp]);  // every row written before it is read: no zeroing
     std::vector<int> koff(HGp, 0), kchunks(HGp / 8, 0), voff(H), vchunks(H);
+    std::vector<float> wide_scale(std::max(RKp, RVp)), wide_offset(std::max(RKp, RVp));  // float16 statistics, widened
     for (int x = 0; x < H * Gp; ++x) {  // padding lanes read their kv-head's codes too
         koff[x] = k.starts[x / Gp];
         kchunks[x / 8] = std::max(kchunks[x / 8], (k.ranks[x / Gp] + 7) / 8);
@@ -411,7 +430,7 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
                 for (int h = 0; h < H; ++h) {
                     const int rk = k.ranks[h];
                     const int64_t at = k.page_stat(cur, h);
-                    const float *sc = k.scale + at, *of = k.offset + at;
+                    const float *sc = k.scales(at, rk, wide_scale.data()), *of = k.offsets(at, rk, wide_offset.data());
                     for (int hg = h * G; hg < (h + 1) * G; ++hg) {
                         const float *q = sg.qp + (size_t)hg * sg.RK;
                         bias[lane[hg]] = sg.qb[hg] + fold_key_stats(qs.data() + (size_t)lane[hg] * RKp, q, sc, of, rk);
@@ -440,11 +459,13 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
             if (st != cur && (!v.per_row || n == n1)) {
                 for (int h = 0; h < H; ++h) {
                     const int rv = v.ranks[h];
-                    const int64_t at = v.per_row ? 0 : v.page_stat(cur, h);
-                    const float *sc = v.scale + at, *of = v.offset + at;
+                    const float *sc = nullptr, *of = nullptr;  // per-row statistics: already in the weights
+                    if (!v.per_row) {
+                        const int64_t at = v.page_stat(cur, h);
+                        sc = v.scales(at, rv, wide_scale.data()), of = v.offsets(at, rv, wide_offset.data());
+                    }
                     for (int hg = h * G; hg < (h + 1) * G; ++hg) {
-                        flush_sums(coef + (size_t)hg * sg.RV, A.data() + (size_t)hg * RVp, v.per_row ? nullptr : sc,
-                                   of, P[hg], rv);
+                        flush_sums(coef + (size_t)hg * sg.RV, A.data() + (size_t)hg * RVp, sc, of, P[hg], rv);
                         P[hg] = 0.f;
                     }
                 }
@@ -464,8 +485,8 @@ static void run_splits(Segment &sg, int s0, int s1, float cap) {
                     for (int h = 0; h < H; ++h) {
                         const int64_t at = (n + i) * v.stat_a + h * v.stat_b;
                         for (int j = h * G; j < (h + 1) * G; ++j) {
-                            P[j] += w[i * HGp + j] * v.offset[at];
-                            w[i * HGp + j] *= v.scale[at];
+                            P[j] += w[i * HGp + j] * v.offset_at(at);
+                            w[i * HGp + j] *= v.scale_at(at);
                         }
                     }
                 } else {
@@ -533,12 +554,23 @@ static const T *input(const at::Tensor &t, const char *name) {
     return t.data_ptr<T>();
 }
 
+// Statistics as stored: float32 (into f32) or float16 (into f16); the other stays nullptr.
+static void statistics(const at::Tensor &t, const char *name, const float *&f32, const at::Half *&f16) {
+    if (t.scalar_type() == at::kHalf)
+        f16 = input<at::Half>(t, name);
+    else
+        f32 = input<float>(t, name);
+}
+
 static Side side(const at::Tensor *t, const int64_t *f, int H, int N, const char *name) {
     // t: rows, scale, offset, starts, ranks, slots (empty: not paged); f: bits, parts, part_codes,
     // row_stride, part_stride, stat_a, stat_b, per_row, page_rows, slot_stride
     Side s;
     s.rows = input<uint8_t>(t[0], name);
-    s.scale = input<float>(t[1], name); s.offset = input<float>(t[2], name);
+    s.scale = s.offset = nullptr;
+    s.scale16 = s.offset16 = nullptr;
+    statistics(t[1], name, s.scale, s.scale16);
+    statistics(t[2], name, s.offset, s.offset16);
     s.starts = input<int>(t[3], name); s.ranks = input<int>(t[4], name);
     s.bits = f[0]; s.parts = f[1]; s.part_codes = f[2]; s.row_stride = f[3]; s.part_stride = f[4];
     s.stat_a = f[5]; s.stat_b = f[6]; s.per_row = f[7];
@@ -570,7 +602,7 @@ static Side side(const at::Tensor *t, const int64_t *f, int H, int N, const char
 static const int SEGMENT_TENSORS = 17, SEGMENT_INTS = 22;
 
 // Per segment, 17 tensors: qp [H, G, RK], qb [H, G], then for keys and for values: rows (uint8),
-// scale, offset (float32), starts, ranks (int32 [H]), slots (int32, empty unless paged); row_stat
+// scale, offset (float32 or float16), starts, ranks (int32 [H]), slots (int32, empty unless paged); row_stat
 // [N] int32, out [H, G, RV] and lse [H, G] (both written). And 22 ints: N, then 10 per side (see
 // `side`), then the number of splits of the rows.
 static Segment segment(const at::Tensor *t, const int64_t *f) {

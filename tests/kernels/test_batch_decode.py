@@ -160,3 +160,31 @@ def _on_rows(part: torch.Tensor, b: int, batch: int) -> torch.Tensor:
     placed = part.new_full((batch, *part.shape), fill)
     placed[b] = part
     return placed
+
+
+def _with_statistics(segs, dtype):
+    """The segments with every Mid and Recent statistic rounded to float16, held as `dtype`."""
+    def cast(codes, names):
+        return dataclasses.replace(codes, **{n: getattr(codes, n).half().to(dtype) for n in names})
+
+    out = []
+    for s in segs:
+        mids = ("k_scale", "k_offset", "v_scale", "v_offset")
+        out.append(dataclasses.replace(
+            s, mid=cast(s.mid, mids) if s.mid is not None else None,
+            retired=tuple(cast(m, mids) for m in s.retired),
+            recent=cast(s.recent, mids) if s.recent is not None else None))
+    return out
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_float16_statistics_are_read_as_their_float32_values(softcap):
+    """The store keeps statistics in float16 and the kernel reads them so (widening as it goes):
+    the same output, bit for bit, as the same values handed over in float32."""
+    segs, q, scale = _mixed_batch()
+    half = _with_statistics(segs, torch.float16)
+    assert half[0].mid.k_scale.dtype == torch.float16 and half[3].retired[0].v_scale.dtype == torch.float16
+    out = fast_decode.decode_attention_batch(q, half, scale, softcap=softcap)
+    assert torch.equal(out, fast_decode.decode_attention_batch(q, _with_statistics(segs, torch.float32), scale,
+                                                               softcap=softcap))
+    _check_rows(q, half, out, scale, softcap)

@@ -270,13 +270,28 @@ def test_batch_is_one_launch_per_kind_and_matches_float64(projected, softcap, po
 
 
 @in_process
+def test_float16_statistics_give_their_float32_result():
+    """The Mid kernel reads statistics through their addresses as float32; the store keeps them
+    in float16, which the launch widens first: the same output as the float32 values."""
+    segs = synthetic_segments(kv_heads=1, group=4, exact=1, recent_pages=1, mid_page_rows=(4,))
+    names = ("k_scale", "k_offset", "v_scale", "v_offset")
+    rounded = {n: getattr(segs.mid, n).half() for n in names}
+    half = dataclasses.replace(segs, mid=dataclasses.replace(segs.mid, **rounded))
+    wide = dataclasses.replace(segs, mid=dataclasses.replace(segs.mid, **{n: x.float() for n, x in rounded.items()}))
+    assert segs.recent.k_scale.dtype == torch.float16  # Recent pages keep quantize's float16 statistics
+    q = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(triton_decode.triton_decode_attention(q, half, 0.125),
+                       triton_decode.triton_decode_attention(q, wide, 0.125))
+
+
+@in_process
 def test_mid_codes_of_another_dtype_are_refused():
-    """The Mid kernel reads statistics through their addresses as float32: other dtypes would be
+    """The Mid kernel reads code rows through their addresses as uint8: other dtypes would be
     misread, so they are refused."""
     segs = synthetic_segments(kv_heads=1, group=4, exact=1, recent_pages=0, mid_page_rows=(4,))
-    half = dataclasses.replace(segs, mid=dataclasses.replace(segs.mid, k_scale=segs.mid.k_scale.half()))
-    with pytest.raises(ValueError, match="float32 statistics"):
-        triton_decode.triton_decode_attention(torch.randn(4, 64), half, 0.125)
+    wrong = dataclasses.replace(segs, mid=dataclasses.replace(segs.mid, k_rows=segs.mid.k_rows.int()))
+    with pytest.raises(ValueError, match="uint8 rows"):
+        triton_decode.triton_decode_attention(torch.randn(4, 64), wrong, 0.125)
 
 
 # -- a prefill chunk over the stored history (history_partials) --------------------------------
