@@ -10,8 +10,10 @@ bench/decode_speed.py) grown to about `--length` tokens, staggered by 7 tokens e
 pages fill on different steps, as in a serving batch. Each round times `--steps` steps (page moves
 included) twice: with the C kernel (`step`), and with the kernel's calls replaced by ones that do
 nothing (`python`: what the step costs around the kernel). Reports each batch size's median and
-mean per step over all rounds, the median of the steps in which no sequence opened a page (no page
-moved between phases: `steady_median_us`), and `python` per sequence: the figure that says how
+mean per step over all rounds; the median of the steps in which a sequence opened a page
+(`moving_median_us`: its pages moved between phases), of the steps right after those
+(`after_move_median_us`: the decode views of what moved are rebuilt in them) and of the others
+(`steady_median_us`); and `python` per sequence: the figure that says how
 far the decode path is from costing the same Python at every batch size. Writes
 bench/results/decode_python.json.
 """
@@ -109,10 +111,12 @@ def measure(batch: int, args, layer: tuple[int, int, int]) -> dict:
     row = {"batch": batch}
     for name, values in times.items():
         every = [t for t, _ in values]
-        steady = [t for t, moved in values if not moved]
+        kinds = {"steady": [], "moving": [], "after_move": []}
+        for i, (t, moved) in enumerate(values):  # each round's first step follows its warm-up steps
+            kinds["moving" if moved else "after_move" if i and values[i - 1][1] else "steady"].append(t)
         row[name] = {"median_us": 1e6 * statistics.median(every), "mean_us": 1e6 * statistics.mean(every),
-                     "steady_median_us": 1e6 * statistics.median(steady) if steady else None,
-                     "steps_moving_pages": sum(moved for _, moved in values), "steps": len(values)}
+                     **{f"{kind}_median_us": 1e6 * statistics.median(ts) if ts else None for kind, ts in kinds.items()},
+                     "steps_moving_pages": len(kinds["moving"]), "steps": len(values)}
     row["python_per_sequence_us"] = {k: v / batch for k, v in row["python"].items()
                                      if k.endswith("_us") and v is not None}
     return row
@@ -138,10 +142,10 @@ def main() -> None:
     for batch in args.batches:
         rows.append(measure(batch, args, LAYERS[args.layer]))
         r = rows[-1]
-        steady = r["python"]["steady_median_us"]
+        kinds = ", ".join(f"{kind} {'-' if r['python'][f'{kind}_median_us'] is None else round(r['python'][f'{kind}_median_us'])}"
+                          for kind in ("steady", "moving", "after_move"))
         print(f"batch {batch:3d}: step median {r['step']['median_us']:8.0f} us (mean {r['step']['mean_us']:8.0f}); "
-              f"python median {r['python']['median_us']:8.0f} us (mean {r['python']['mean_us']:8.0f}, "
-              f"steps moving no page {'-' if steady is None else f'{steady:.0f}'}); "
+              f"python median {r['python']['median_us']:8.0f} us (mean {r['python']['mean_us']:8.0f}; medians: {kinds}); "
               f"per sequence {r['python_per_sequence_us']['mean_us']:6.1f} us (mean)", flush=True)
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parent).stdout.strip()
