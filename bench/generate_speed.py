@@ -7,9 +7,11 @@ a Llama zoo model (`--model`: `llama`, 2 layers, the default, or `llama-8layer`;
 KV cache, not the weights, is what differs) or the real SmolLM2-135M-Instruct (`--model smollm2`,
 `--dtype`; 30 layers of 3 kv-heads of 64 dims, so at long prompts its step reads far more cache
 than weights; prompts past its 8K training context are fine for timing, not for quality). For each prompt length, after a
-warm-up call at that length (compilation, allocation; `--warmup N`: one call of N tokens before
-all lengths instead, for the real model, whose long prefills take minutes; the prompt is chunked
-in the session, so a short call compiles the same shapes), each mode times (best of `--reps`) the whole generate call
+warm-up call at that length (compilation, allocation; `--warmup N`: two calls before all lengths
+instead, of N tokens and of N + one prefill chunk, for the real model, whose long prefills take
+minutes: the prompt is chunked in the session, so short calls compile the same graphs, but Dynamo
+compiles them once more, with dynamic sizes, the first time it meets a second prompt length, ~6 s
+for SmolLM2, which one warm-up call would leave inside the timed call), each mode times (best of `--reps`) the whole generate call
 (prefill + `new` tokens), stamping the end of each forward inside the call, so the time to the
 first token and the decode rate (`new - 1` steps over the time from the first token to the last)
 come from the same call. Each figure is the best of the reps. `--rounds N` runs the modes'
@@ -168,8 +170,9 @@ def run_mode(mode: str, model_name: str, prompts: list[int], new: int, reps: int
     def prompt_ids(length: int):
         return torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(0))
 
-    if warmup:
+    if warmup:  # two lengths: Dynamo recompiles with dynamic sizes when it meets a second one
         run(prompt_ids(warmup))
+        run(prompt_ids(warmup + kvtopo.Config().prefill_chunk_size))
     rows = []
     for prompt in prompts:
         ids = prompt_ids(prompt)
@@ -225,7 +228,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=RESULTS / "generate_speed.json")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                    help="modes to run, in this order (hf, the baseline, always runs; without lossless there is no agreement)")
-    p.add_argument("--warmup", type=int, help="one warm-up call of this many tokens instead of one per length")
+    p.add_argument("--warmup", type=int, help="warm-up calls of this many tokens and of one prefill chunk more, "
+                                                 "instead of one per length")
     p.add_argument("--breakdown", action="store_true",
                    help="also time, per decode step, kvtopo's attention op and the C kernel inside it")
     p.add_argument("--threads", type=int, default=1,
