@@ -71,14 +71,18 @@ def pack(codes: Tensor, bits: int) -> Tensor:
     """Pack integer codes in ``[0, 2**bits)`` into uint8 along the last dimension.
 
     The last dimension is zero-padded up to a multiple of ``8 // bits``; ``unpack`` needs the
-    original length to drop the padding.
+    original length to drop the padding. 8 bits: the codes as uint8, nothing to pack.
     """
     _check_bits(bits)
     per_byte = 8 // bits
     codes = codes.to(torch.uint8)
+    if per_byte == 1:
+        return codes
     pad = (-codes.shape[-1]) % per_byte
     if pad:
         codes = torch.nn.functional.pad(codes, (0, pad))
+    if per_byte == 2:  # two fields: one shift and one or (the general form's broadcast sum is slower)
+        return codes[..., 0::2] | (codes[..., 1::2] << 4)
     grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
     # Code fields do not overlap, so the sum equals a bitwise or and stays below 256.
@@ -88,6 +92,8 @@ def pack(codes: Tensor, bits: int) -> Tensor:
 def unpack(packed: Tensor, bits: int, length: int) -> Tensor:
     """Inverse of ``pack``: uint8 codes of the last dimension's first ``length`` entries."""
     _check_bits(bits)
+    if bits == 8:  # one code per byte: the bytes are the codes
+        return packed[..., :length]
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     mask = (1 << bits) - 1
     fields = (packed.unsqueeze(-1) >> shifts) & mask
@@ -97,7 +103,8 @@ def unpack(packed: Tensor, bits: int, length: int) -> Tensor:
 def _round_toward(values: Tensor, dtype: torch.dtype, direction: float) -> Tensor:
     """Convert float32 ``values`` to ``dtype``, rounding toward ``direction`` (±inf)."""
     rounded = values.to(dtype)
-    wrong_side = (rounded.float() - values) * direction < 0
+    wide = rounded.float()
+    wrong_side = wide > values if direction < 0 else wide < values  # rounded past the value
     stepped = torch.nextafter(rounded, torch.full_like(rounded, direction))
     return torch.where(wrong_side, stepped, rounded)
 
