@@ -46,7 +46,7 @@ class RecentCodes:
         return cls(
             torch.cat([k.codes for k in keys], 1), torch.cat([k.scale for k in keys], 1),
             torch.cat([k.offset for k in keys], 1), torch.cat([v.codes for v in values], 1),
-            torch.cat([v.scale[..., 0] for v in values], 1), torch.cat([v.offset[..., 0] for v in values], 1),
+            torch.cat([v.scale for v in values], 1)[..., 0], torch.cat([v.offset for v in values], 1)[..., 0],
             keys[0].bits, page_size, keys[0].length, values[0].length)
 
     @classmethod

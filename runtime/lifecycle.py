@@ -255,13 +255,26 @@ class Lifecycle:
         room = page_room(budget, held, held - self.mid_nbytes(seq), tokens,
                          self.plan.mid_pages(-(-length // P)) * P - seq.mid_tokens, self.config,
                          self.fp16_token_bytes())
-        while keep > 0 and self.mid_page_nbytes(seq, keep) > room:
-            keep -= 1
+        if keep > 0 and self.mid_page_nbytes(seq, keep) > room:
+            keep = self._rows_within(seq, keep, room)
         if keep == 0 and room < 0 and self.config.over_budget == "raise":
             raise BudgetExceeded(
                 f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {length} tokens: the "
                 f"exact/Recent pages and metadata already hold {held:.0f} bytes; lower sink_tokens/recent_tokens, "
                 "or allow over_budget='evict'")
+        return keep
+
+    def _rows_within(self, seq: SequenceState, most: int, room: float) -> int:
+        """The most rows below `most` whose Mid bytes fit `room` (0 if none): past the first row,
+        which brings the page's statistics, every row adds the same bytes, so the count is one
+        division; the check after it only guards the float room's rounding."""
+        first = self.mid_page_nbytes(seq, 1)
+        if first > room:
+            return 0
+        per_row = self.mid_page_nbytes(seq, 2) - first
+        keep = most - 1 if per_row <= 0 else min(most - 1, 1 + int((room - first) // per_row))
+        while keep > 0 and self.mid_page_nbytes(seq, keep) > room:
+            keep -= 1
         return keep
 
     # -- hooks: what executors do with their bytes ----------------------------------------------

@@ -547,3 +547,27 @@ def test_a_window_made_under_inference_mode_takes_decode_queries_outside_it():
     q = torch.randn(4, 1, 16)
     cache.observe(0, q, kv_heads=2)  # cannot write an inference tensor in place here: rebuilt instead
     assert torch.equal(cache.sequences[0].observation[:, -1], q[:, 0].to(torch.float16))
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(mid_bits=2), dict(mid_bits=8, key_energy=0.9, value_energy=0.9),
+                                    dict(policy="h2o"), dict(policy="kivi", mid_bits=2)])
+def test_rows_a_room_holds_are_what_removing_one_row_at_a_time_gives(fields):
+    """`keep_count`'s rows within a page's room (one division) against the plain search: drop a
+    row while the page's Mid bytes exceed the room. Rooms at, between and around every count's
+    bytes, fractional ones too (a budget is a float)."""
+    cache = _cache(page_size=16, sink_tokens=16, recent_tokens=16, **fields)
+    cache.scale = 0.25  # what a session sets from the attention site
+    k, v = _structured_kv(96, heads=2, dim=16)
+    cache.observe(0, torch.randn(4, 8, 16), 2)
+    cache.append(0, k, v)
+    entry = cache.sequences[0]
+    assert entry.mid is not None
+    sizes = [cache.mid_page_nbytes(entry, n) for n in range(17)]
+    rooms = sorted({r + d for r in sizes for d in (-1, -0.5, -1e-9, 0, 1e-9, 0.5)} | {-5, 10 ** 6})
+    for most in (1, 7, 16):
+        for room in rooms:
+            expected = most
+            while expected > 0 and sizes[expected] > room:
+                expected -= 1
+            got = most if sizes[most] <= room else cache._rows_within(entry, most, room)
+            assert got == expected, (most, room)
