@@ -187,24 +187,31 @@ def _mid_split_kernel(
     ROWS, RK: tl.constexpr, RV: tl.constexpr,
     BLOCK_M: tl.constexpr, RK_PAD: tl.constexpr, RV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, CAPPED: tl.constexpr,
-    VALUE_PER_ROW: tl.constexpr,
+    VALUE_PER_ROW: tl.constexpr, HALF_STATS: tl.constexpr,
 ):
     # Entry e is one Mid segment, wherever it is: addr [E, 7] int64 holds the addresses of its
     # key rows, key scale, key offset, value rows, value scale, value offset and row_stat;
     # dims [E, 5] its N, key and value row bytes, key and value statistics widths (KC, VC);
     # kstart/krank/vstart/vrank [E, Hkv] its head columns. Value statistics: [Pm, VC] per page
     # (row st, column of the code), or VALUE_PER_ROW [N, VC = Hkv] per token and kv-head.
+    # Statistics are float32, or HALF_STATS float16 as the store keeps them (widened as loaded).
     h, s, S, e, rg, g_ok = _program(ROWS, BLOCK_M)
     H = tl.num_programs(0)
     rk_ = tl.arange(0, RK_PAD)
     rv_ = tl.arange(0, RV_PAD)
     rn = tl.arange(0, BLOCK_N)
     kr_ptr = tl.load(addr_ptr + e * 7).to(tl.pointer_type(tl.uint8))
-    ks_ptr = tl.load(addr_ptr + e * 7 + 1).to(tl.pointer_type(tl.float32))
-    ko_ptr = tl.load(addr_ptr + e * 7 + 2).to(tl.pointer_type(tl.float32))
+    if HALF_STATS:
+        ks_ptr = tl.load(addr_ptr + e * 7 + 1).to(tl.pointer_type(tl.float16))
+        ko_ptr = tl.load(addr_ptr + e * 7 + 2).to(tl.pointer_type(tl.float16))
+        vs_ptr = tl.load(addr_ptr + e * 7 + 4).to(tl.pointer_type(tl.float16))
+        vo_ptr = tl.load(addr_ptr + e * 7 + 5).to(tl.pointer_type(tl.float16))
+    else:
+        ks_ptr = tl.load(addr_ptr + e * 7 + 1).to(tl.pointer_type(tl.float32))
+        ko_ptr = tl.load(addr_ptr + e * 7 + 2).to(tl.pointer_type(tl.float32))
+        vs_ptr = tl.load(addr_ptr + e * 7 + 4).to(tl.pointer_type(tl.float32))
+        vo_ptr = tl.load(addr_ptr + e * 7 + 5).to(tl.pointer_type(tl.float32))
     vr_ptr = tl.load(addr_ptr + e * 7 + 3).to(tl.pointer_type(tl.uint8))
-    vs_ptr = tl.load(addr_ptr + e * 7 + 4).to(tl.pointer_type(tl.float32))
-    vo_ptr = tl.load(addr_ptr + e * 7 + 5).to(tl.pointer_type(tl.float32))
     stat_ptr = tl.load(addr_ptr + e * 7 + 6).to(tl.pointer_type(tl.int32))
     N = tl.load(dims_ptr + e * 5)
     k_bytes = tl.load(dims_ptr + e * 5 + 1)
@@ -234,7 +241,8 @@ def _mid_split_kernel(
         kbyte = tl.load(kr_ptr + n[:, None].to(tl.int64) * k_bytes + (kbit >> 3), mask=kmask, other=0)
         kcode = (kbyte.to(tl.int32) >> (kbit & 7)) & ((1 << KBITS) - 1)
         kst = st[:, None].to(tl.int64) * KC + kcol
-        ck = tl.load(ko_ptr + kst, mask=kmask, other=0.0) + kcode.to(tl.float32) * tl.load(ks_ptr + kst, mask=kmask, other=0.0)
+        kof = tl.load(ko_ptr + kst, mask=kmask, other=0.0).to(tl.float32)
+        ck = kof + kcode.to(tl.float32) * tl.load(ks_ptr + kst, mask=kmask, other=0.0).to(tl.float32)
         logits = tl.dot(qp, tl.trans(ck), input_precision="ieee") + qb[:, None]
         p, alpha, m_new, l_i = _online_softmax_step(logits, n_ok, m_i, l_i, cap, CAPPED)
         vmask = n_ok[:, None] & (rv_[None, :] < v_rank)
@@ -244,12 +252,13 @@ def _mid_split_kernel(
         vcode = (vbyte.to(tl.int32) >> (vbit & 7)) & ((1 << VBITS) - 1)
         if VALUE_PER_ROW:
             vst = n.to(tl.int64) * VC + h
-            vsc = tl.load(vs_ptr + vst, mask=n_ok, other=0.0)
-            vof = tl.load(vo_ptr + vst, mask=n_ok, other=0.0)
+            vsc = tl.load(vs_ptr + vst, mask=n_ok, other=0.0).to(tl.float32)
+            vof = tl.load(vo_ptr + vst, mask=n_ok, other=0.0).to(tl.float32)
             cv = tl.where(vmask, vof[:, None] + vcode.to(tl.float32) * vsc[:, None], 0.0)
         else:
             vst = st[:, None].to(tl.int64) * VC + vcol
-            cv = tl.load(vo_ptr + vst, mask=vmask, other=0.0) + vcode.to(tl.float32) * tl.load(vs_ptr + vst, mask=vmask, other=0.0)
+            vof = tl.load(vo_ptr + vst, mask=vmask, other=0.0).to(tl.float32)
+            cv = vof + vcode.to(tl.float32) * tl.load(vs_ptr + vst, mask=vmask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, cv, input_precision="ieee")
         m_i = m_new
     _store_split(acc, m_i, l_i, o_ptr, lse_ptr, ((e * H + h) * S + s) * ROWS + rg, g_ok, rv_, RV)
@@ -372,9 +381,13 @@ def _mid_rows(q: Tensor, qs: Tensor, entries: list[int], mids: list[MidCodes], s
     else:
         qp, qb = qs[index].contiguous(), qs.new_zeros(len(entries), heads, rows)
     width = max(m.value_width for m in mids)
-    held = [[x.contiguous() for x in (m.k_rows, m.k_scale.float(), m.k_offset.float(), m.v_rows, m.v_scale.float(),
-                                      m.v_offset.float(), m.row_stat)]
-            for m in mids]  # alive until the launch is queued (stream order keeps them for the kernel); float32 statistics
+    # Statistics as stored when every segment keeps them in float16 (the store's rule), else all
+    # widened to float32: one launch reads one dtype.
+    half = all(x.dtype == torch.float16 for m in mids for x in (m.k_scale, m.k_offset, m.v_scale, m.v_offset))
+    stat = (lambda x: x) if half else (lambda x: x.float())  # noqa: E731
+    held = [[x.contiguous() for x in (m.k_rows, stat(m.k_scale), stat(m.k_offset), m.v_rows, stat(m.v_scale),
+                                      stat(m.v_offset), m.row_stat)]
+            for m in mids]  # alive until the launch is queued (stream order keeps them for the kernel)
     addr = _table([[x.data_ptr() for x in h] for h in held], torch.int64, device)
     dims = _table([[m.tokens, h[0].shape[1], h[3].shape[1], h[1].shape[1], h[4].shape[1]] for m, h in zip(mids, held)],
                   torch.int32, device)
@@ -386,7 +399,7 @@ def _mid_rows(q: Tensor, qs: Tensor, entries: list[int], mids: list[MidCodes], s
     run(qp.contiguous(), qb.contiguous(), addr, dims, *columns, coef, lse, per, _cap(softcap),
         rows, RK=qp.shape[-1], RV=width, BLOCK_M=block_m, RK_PAD=_pow2(qp.shape[-1]), RV_PAD=_pow2(width),
         BLOCK_N=block, KBITS=first.k_bits, VBITS=first.v_bits, CAPPED=softcap is not None,
-        VALUE_PER_ROW=first.value_stats_per_row)
+        VALUE_PER_ROW=first.value_stats_per_row, HALF_STATS=half)
     if first.projected:  # each split is normalised (weights sum to one): the mean goes back per split
         out = torch.stack([m.values_out(c[..., : m.value_width]) for m, c in zip(mids, coef)])
     else:
