@@ -448,12 +448,9 @@ class LayerCache(Lifecycle):
         # not the sum: a token one retrieval head needs is needed, whatever the other heads say.
         gain = self.policy.across_heads(order.values).amax(0).flatten()
         picked = gain.argsort(descending=True, stable=True)
-        shape = (keys.shape[0], keys.shape[-1], 0 if self.shared_value_dim else values.shape[-1])
         # Every page costs its row count; its first survivor (rank 0) also brings its
         # statistics; each further one, a row.
-        empty = entry.mid.page_nbytes(0, *shape)
-        first = entry.mid.page_nbytes(1, *shape) - empty
-        per_row = entry.mid.page_nbytes(2, *shape) - entry.mid.page_nbytes(1, *shape)
+        empty, first, per_row = self.mid_row_costs(entry)
         cost = len(group) * empty + torch.cumsum(torch.where(picked % P == 0, first, per_row), 0)
         held = self._bytes_beside_group(entry, group, count)
         room = page_room(budget, held, held - self.mid_nbytes(entry), len(group) * P, len(group) * P,

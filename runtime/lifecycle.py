@@ -264,15 +264,21 @@ class Lifecycle:
                 "or allow over_budget='evict'")
         return keep
 
+    def mid_row_costs(self, seq: SequenceState) -> tuple[int, int, int]:
+        """A Mid page's bytes as it keeps rows: (kept none, what the first row adds: it also
+        brings the page's statistics, what each further row adds)."""
+        empty, one, two = (self.mid_page_nbytes(seq, rows) for rows in (0, 1, 2))
+        return empty, one - empty, two - one
+
     def _rows_within(self, seq: SequenceState, most: int, room: float) -> int:
-        """The most rows below `most` whose Mid bytes fit `room` (0 if none): past the first row,
-        which brings the page's statistics, every row adds the same bytes, so the count is one
-        division; the check after it only guards the float room's rounding."""
-        first = self.mid_page_nbytes(seq, 1)
-        if first > room:
+        """The most rows below `most` whose Mid bytes fit `room` (0 if none): past the first row
+        every row adds the same bytes (`mid_row_costs`), so the count is one division; the check
+        after it only guards the float room's rounding."""
+        empty, first, per_row = self.mid_row_costs(seq)
+        one_row = empty + first
+        if one_row > room:
             return 0
-        per_row = self.mid_page_nbytes(seq, 2) - first
-        keep = most - 1 if per_row <= 0 else min(most - 1, 1 + int((room - first) // per_row))
+        keep = most - 1 if per_row <= 0 else min(most - 1, 1 + int((room - one_row) // per_row))
         while keep > 0 and self.mid_page_nbytes(seq, keep) > room:
             keep -= 1
         return keep
