@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kvtopo  # noqa: E402
-from decode_speed import grow, structured_kv  # noqa: E402
+from decode_speed import grow_sequence, structured_kv  # noqa: E402
 from kernel_ab import LAYERS  # noqa: E402
 from kvtopo.kernels import cpu_decode  # noqa: E402
 from kvtopo.runtime.session import Session  # noqa: E402
@@ -75,8 +75,7 @@ def batch_store(batch: int, length: int, layer: tuple[int, int, int], scale: flo
     q = torch.randn(batch, hq, 1, d, generator=torch.Generator().manual_seed(1)) * 0.3
     for b in range(batch):
         keys, values = structured_kv(length + page, seed=b, kv_heads=hkv, head_dim=d)
-        session.attend_sequence("layer0", b, q[b].expand(hq, 64, d), keys[:, :64], values[:, :64], scale)
-        grow(session.layers["layer0"], b, keys, values, 64, length + STAGGER * b % page, q_heads=hq)
+        grow_sequence(session, b, q[b], keys, values, scale, 0, length + STAGGER * b % page)
     return session, q
 
 

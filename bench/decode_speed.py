@@ -270,6 +270,17 @@ def main() -> None:
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
+def grow_sequence(session, seq: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                  start: int, end: int) -> None:
+    """Grow sequence `seq` of the session's layer "layer0" from `start` to `end` tokens of keys /
+    values [Hkv, L, d]; from 0, its first 64 tokens go through `attend_sequence` with the query
+    q [Hq, 1, d] (which makes the layer's store), the rest through `grow`."""
+    q_heads, _, head_dim = q.shape
+    if start == 0:
+        session.attend_sequence("layer0", seq, q.expand(q_heads, 64, head_dim), keys[:, :64], values[:, :64], scale)
+    grow(session.layers["layer0"], seq, keys, values, max(start, 64), end, q_heads=q_heads)
+
+
 def grow(cache, seq: int, keys: torch.Tensor, values: torch.Tensor, start: int, end: int, q_heads: int = HQ) -> None:
     """Append tokens [start, end) of one sequence to the layer store in 4096-token chunks, as
     ``Session.attend`` stores them after attending (observe + append)."""
@@ -321,9 +332,7 @@ def batch_main(args) -> None:
             for name, s in sessions.items():
                 build = time.perf_counter()
                 for b in range(n):
-                    if held == 0:
-                        s.attend_sequence("layer0", b, q[b].expand(HQ, 64, D), keys[b, :, :64], values[b, :, :64], SCALE)
-                    grow(s.layers["layer0"], b, keys[b], values[b], max(held, 64), length)
+                    grow_sequence(s, b, q[b], keys[b], values[b], SCALE, held, length)
                 cache, seqs = s.layers["layer0"], list(range(n))
                 segs = [decode_view.decode_segments(cache, b, k_new[b], v_new[b]) for b in seqs]
                 batched = decode_view.attend_cache_batch(cache, seqs, q, k_new, v_new, SCALE)

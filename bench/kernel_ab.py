@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kvtopo  # noqa: E402
-from decode_speed import CONFIGS, D, HKV, HQ, grow, rel_err, structured_kv  # noqa: E402
+from decode_speed import CONFIGS, D, HKV, HQ, grow_sequence, rel_err, structured_kv  # noqa: E402
 from kvtopo.kernels import cpu_decode  # noqa: E402
 from kvtopo.kernels.decode_reference import reference_decode  # noqa: E402
 from kvtopo.runtime import decode_view  # noqa: E402
@@ -109,8 +109,7 @@ def main() -> None:
               "load_before": os.getloadavg(), "configs": {}}
     for name in args.configs:
         with kvtopo.session(CONFIGS[name]) as s:
-            s.attend_sequence("layer0", 0, q[0].expand(q_heads, 64, head_dim), keys[:, :64], values[:, :64], scale)
-            grow(s.layers["layer0"], 0, keys, values, 64, args.length, q_heads=q_heads)
+            grow_sequence(s, 0, q[0], keys, values, scale, 0, args.length)
             segs = decode_view.decode_segments(s.layers["layer0"], 0, k_new, v_new)
             expected = reference_decode(q[0, :, 0], segs, scale)
 
