@@ -296,7 +296,7 @@ struct Side {
         int p = part_codes ? starts[h] / part_codes : 0;
         return page * stat_a + p * stat_b + (starts[h] - (int64_t)p * part_codes);
     }
-    // n statistics from `at` as float32: in place, or widened into buf (n floats, rounded up to 8).
+    // n statistics from `at` as float32: in place, or widened into buf (room for n floats).
     const float *scales(int64_t at, int n, float *buf) const { return scale ? scale + at : widen(scale16 + at, n, buf); }
     const float *offsets(int64_t at, int n, float *buf) const { return offset ? offset + at : widen(offset16 + at, n, buf); }
     float scale_at(int64_t at) const { return scale ? scale[at] : static_cast<float>(scale16[at]); }
