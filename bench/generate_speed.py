@@ -10,8 +10,8 @@ than weights; prompts past its 8K training context are fine for timing, not for 
 warm-up call at that length (compilation, allocation; `--warmup N`: two calls before all lengths
 instead, of N tokens and of N + one prefill chunk, for the real model, whose long prefills take
 minutes: the prompt is chunked in the session, so short calls compile the same graphs, but Dynamo
-compiles them once more, with dynamic sizes, the first time it meets a second prompt length, ~6 s
-for SmolLM2, which one warm-up call would leave inside the timed call), each mode times (best of `--reps`) the whole generate call
+compiles them once more, with dynamic sizes, the first time it meets a second prompt length, which
+one warm-up call would leave inside the timed call), each mode times (best of `--reps`) the whole generate call
 (prefill + `new` tokens), stamping the end of each forward inside the call, so the time to the
 first token and the decode rate (`new - 1` steps over the time from the first token to the last)
 come from the same call. Each figure is the best of the reps. `--rounds N` runs the modes'
