@@ -17,7 +17,8 @@ then dotted with the N coefficient rows (N*r instead of N*d multiply-adds). With
 
 GQA: Hq = Hkv * G and query head h reads kv-head h // G (the ``repeat_kv`` convention). The
 G query heads of a kv-head are folded into the row dimension, so every product is a batched
-matmul over kv-heads. All math is float32.
+matmul over kv-heads. All math is float32, except CPU flash partials of bfloat16 / float16
+queries, which run in the queries' dtype (``flash_dtype``).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def partial_dense(
     if n == 0:
         return _empty(q, v.shape[-1])
     if mask is None and _flash_takes(q, k, v, softcap):
-        return _cpu_flash(q, k, v, scale, causal=False)
+        return _flash_history(q, k, v, scale)
     qg = group_query_heads(q, kv_heads).view(kv_heads, hq // kv_heads, t, -1)
     keys, values = k.float().transpose(1, 2), v.float()
     rows = max(1, BLOCK_LOGITS // (hq * n)) if q.device.type == "cpu" else t
@@ -142,7 +143,8 @@ def partial_causal(q: Tensor, k: Tensor, v: Tensor, scale: float,
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"a chunk's causal attention needs as many keys as queries, got {k.shape[1]} and {q.shape[1]}")
     if k.shape[1] and _flash_takes(q, k, v, softcap):
-        return _cpu_flash(q, k, v, scale, causal=True)
+        aligned = k.shape[1] % FLASH_KEY_GRANULE == 0
+        return _cpu_flash(q, k, v, scale, True, flash_dtype(q) if aligned else torch.float32)
     mask = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device).tril()
     return partial_dense(q, k, v, scale, mask, softcap)
 
@@ -153,20 +155,55 @@ def _flash_takes(q: Tensor, k: Tensor, v: Tensor, softcap: float | None) -> bool
     return q.device.type == "cpu" and softcap is None and q.shape[-1] == k.shape[-1] == v.shape[-1]
 
 
-def _cpu_flash(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    """The partial through aten's CPU flash attention, which also returns the log-sum-exp: blocked
-    over keys with the exponentials vectorized and no logit matrix, 3-4x faster than the
-    blocked softmax below on one thread. Without a mask the G query heads of a kv-head are its
-    rows (keys read once per group); causal rows are per token, so the group's keys are repeated."""
+# aten's CPU flash attention in bfloat16 / float16 builds a matrix-unit kernel for every length
+# of the last key block it meets and keeps it for the life of the process: a long prefill, whose
+# segments end at every length, grew the process by more than HF's whole cache (seen in
+# bench/generate_speed.py's peak RSS). The reduced-precision calls therefore
+# get key counts that are multiples of this granule only (a bounded set of last blocks); the few
+# keys past the last multiple are attended in float32 and merged.
+FLASH_KEY_GRANULE = 32
+
+
+def flash_dtype(q: Tensor) -> torch.dtype:
+    """The dtype CPU flash partials of queries `q` compute in: bfloat16 / float16 queries keep
+    it (the model's own attention runs in it; the kernel accumulates in float32, and on CPUs
+    with bf16 matrix units it runs several times faster than in float32); others (float32,
+    float64) run in float32."""
+    return q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def _flash_history(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """``partial_dense`` without a mask through aten's CPU flash attention, in ``flash_dtype(q)``
+    over the first multiple of ``FLASH_KEY_GRANULE`` keys and in float32 over the rest."""
+    dtype = flash_dtype(q)
+    n = k.shape[1]
+    aligned = n - n % FLASH_KEY_GRANULE if dtype != torch.float32 else n
+    if aligned == n:
+        return _cpu_flash(q, k, v, scale, False, dtype)
+    tail = _cpu_flash(q, k[:, aligned:], v[:, aligned:], scale, False, torch.float32)
+    if aligned == 0:
+        return tail
+    return merge_partials_lse([_cpu_flash(q, k[:, :aligned], v[:, :aligned], scale, False, dtype), tail])
+
+
+def _cpu_flash(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
+               dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The partial through aten's CPU flash attention in `dtype`, which also returns the
+    log-sum-exp: blocked over keys with the exponentials vectorized and no logit matrix, 3-4x
+    faster than the blocked softmax below on one thread. Without a mask the G query heads of a
+    kv-head are its rows (keys read once per group); causal rows are per token, so the group's
+    keys are repeated. The partial comes back in float32 for the merge."""
     kv_heads, hq, t = k.shape[0], q.shape[0], q.shape[1]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    keys, values = k.to(dtype), v.to(dtype)
     if causal:
         groups = hq // kv_heads
-        out, lse = flash(q.float()[None], k.float().repeat_interleave(groups, 0)[None],
-                         v.float().repeat_interleave(groups, 0)[None], is_causal=True, scale=scale)[:2]
+        out, lse = flash(q.to(dtype)[None], keys.repeat_interleave(groups, 0)[None],
+                         values.repeat_interleave(groups, 0)[None], is_causal=True, scale=scale)[:2]
     else:
-        out, lse = flash(group_query_heads(q, kv_heads)[None], k.float()[None], v.float()[None], scale=scale)[:2]
-    return out.reshape(hq, t, -1), lse.reshape(hq, t)
+        rows = q.to(dtype).reshape(kv_heads, hq // kv_heads * t, -1)
+        out, lse = flash(rows[None], keys[None], values[None], scale=scale)[:2]
+    return out.reshape(hq, t, -1).float(), lse.reshape(hq, t)
 
 
 def _dense_block(qg: Tensor, keys: Tensor, values: Tensor, scale: float, mask: Tensor | None,

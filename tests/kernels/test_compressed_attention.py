@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtopo.kernels import compressed_attention
 from kvtopo.kernels.compressed_attention import (
     LowRankHeads,
     merge_partials,
@@ -163,6 +164,39 @@ def test_causal_chunk_and_unmasked_history_against_float64(groups, dv, t):
     assert_matches(partial_dense(q, history_k, history_v, 0.3), reference(q, history_k, history_v, 0.3))
     with pytest.raises(ValueError, match="as many keys as queries"):
         partial_causal(q, history_k, history_v, 0.3)
+
+
+@pytest.mark.parametrize("dtype, rel", [(torch.bfloat16, 2.0 ** -7), (torch.float16, 2.0 ** -10)])
+@pytest.mark.parametrize("keys_dtype", ["same", "float32"])  # exact pages / a dequantized Mid tile
+@pytest.mark.parametrize("t, n", [(40, 300), (64, 320)])  # key counts off and on FLASH_KEY_GRANULE
+def test_reduced_precision_queries_against_float64(dtype, rel, keys_dtype, t, n, monkeypatch):
+    """A bfloat16 / float16 model's chunk: the CPU flash partials run in its dtype and come back
+    float32, within that dtype's rounding of the float64 attention over the same keys and values
+    rounded to it (exact pages are stored in it already; a float32 Mid tile is rounded, as the
+    model's own attention would hold it)."""
+    g = torch.Generator().manual_seed(7)
+    kv_heads, groups = 3, 3
+    q = (torch.randn(kv_heads * groups, t, D, generator=g) * 2).to(dtype)
+    flash_calls = []  # (dtype, key count) of every flash call: reduced precision meets whole granules only
+    flash = compressed_attention._cpu_flash
+    monkeypatch.setattr(compressed_attention, "_cpu_flash",
+                        lambda q, k, *rest: flash_calls.append((rest[-1], k.shape[1])) or flash(q, k, *rest))
+    k, v = torch.randn(kv_heads, n, D, generator=g) * 2, torch.randn(kv_heads, n, D, generator=g)
+    if keys_dtype == "same":
+        k, v = k.to(dtype), v.to(dtype)
+    out, lse = partial_dense(q, k, v, 0.3)
+    k, v = k.to(dtype), v.to(dtype)
+    ref_out, ref_lse = reference(q, k, v, 0.3)
+    assert out.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, rtol=rel, atol=rel * ref_out.abs().max().item())
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=rel, atol=rel)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    out, lse = partial_causal(q, k[:, :t], v[:, :t], 0.3)
+    ref_out, ref_lse = reference(q, k[:, :t], v[:, :t], 0.3, causal)
+    torch.testing.assert_close(out.double(), ref_out, rtol=rel, atol=rel * ref_out.abs().max().item())
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=rel, atol=rel)
+    assert {call_dtype for call_dtype, _ in flash_calls} == ({dtype} if n % compressed_attention.FLASH_KEY_GRANULE == 0 else {dtype, torch.float32})
+    assert all(count % compressed_attention.FLASH_KEY_GRANULE == 0 for call_dtype, count in flash_calls if call_dtype == dtype)
 
 
 def test_empty_segments_give_minus_inf_and_zeros():
