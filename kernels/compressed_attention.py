@@ -124,7 +124,8 @@ def partial_dense(
     if n == 0:
         return _empty(q, v.shape[-1])
     if mask is None and _flash_takes(q, k, v, softcap):
-        return _flash_history(q, k, v, scale)
+        parts = dense_partials(q, k, v, scale)
+        return parts[0] if len(parts) == 1 else merge_partials_lse(parts)
     qg = group_query_heads(q, kv_heads).view(kv_heads, hq // kv_heads, t, -1)
     keys, values = k.float().transpose(1, 2), v.float()
     rows = max(1, BLOCK_LOGITS // (hq * n)) if q.device.type == "cpu" else t
@@ -172,18 +173,21 @@ def flash_dtype(q: Tensor) -> torch.dtype:
     return q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def _flash_history(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """``partial_dense`` without a mask through aten's CPU flash attention, in ``flash_dtype(q)``
-    over the first multiple of ``FLASH_KEY_GRANULE`` keys and in float32 over the rest."""
+def dense_partials(q: Tensor, k: Tensor, v: Tensor, scale: float,
+                   softcap: float | None = None) -> list[tuple[Tensor, Tensor]]:
+    """``partial_dense`` without a mask as one or two partials, for a caller that merges many
+    (a history of tiles) in one merge. Through aten's CPU flash attention where it takes them:
+    in ``flash_dtype(q)`` over the first multiple of ``FLASH_KEY_GRANULE`` keys, in float32
+    over the rest."""
+    if k.shape[1] == 0 or not _flash_takes(q, k, v, softcap):
+        return [partial_dense(q, k, v, scale, softcap=softcap)]
     dtype = flash_dtype(q)
     n = k.shape[1]
     aligned = n - n % FLASH_KEY_GRANULE if dtype != torch.float32 else n
-    if aligned == n:
-        return _cpu_flash(q, k, v, scale, False, dtype)
-    tail = _cpu_flash(q, k[:, aligned:], v[:, aligned:], scale, False, torch.float32)
-    if aligned == 0:
-        return tail
-    return merge_partials_lse([_cpu_flash(q, k[:, :aligned], v[:, :aligned], scale, False, dtype), tail])
+    parts = [_cpu_flash(q, k[:, :aligned], v[:, :aligned], scale, False, dtype)] if aligned else []
+    if aligned < n:
+        parts.append(_cpu_flash(q, k[:, aligned:], v[:, aligned:], scale, False, torch.float32))
+    return parts
 
 
 def _cpu_flash(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
@@ -195,7 +199,7 @@ def _cpu_flash(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
     keys are repeated. The partial comes back in float32 for the merge."""
     kv_heads, hq, t = k.shape[0], q.shape[0], q.shape[1]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    keys, values = k.to(dtype), v.to(dtype)
+    keys, values = (x.to(dtype, memory_format=torch.contiguous_format) for x in (k, v))
     if causal:
         groups = hq // kv_heads
         out, lse = flash(q.to(dtype)[None], keys.repeat_interleave(groups, 0)[None],
@@ -261,6 +265,9 @@ def merge_partials_lse(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, 
     lse = torch.stack([part_lse for _, part_lse in parts])  # [S, Hq, T]
     merged_lse = torch.logsumexp(lse, 0)  # -inf where no segment sees the row
     # Each segment's share exp(lse_s - merged); -inf (empty) segments and unseen rows weigh 0.
-    weights = torch.exp(lse - torch.where(torch.isfinite(merged_lse), merged_lse, 0.0))
-    outs = torch.stack([part_out for part_out, _ in parts])  # [S, Hq, T, dv]
-    return (weights.unsqueeze(-1) * outs).sum(0), merged_lse
+    weights = torch.exp(lse - torch.where(torch.isfinite(merged_lse), merged_lse, 0.0)).unsqueeze(-1)
+    # Accumulated in place, segment by segment: no [S, Hq, T, dv] stack of the outputs.
+    merged = parts[0][0].float() * weights[0]
+    for s, (part_out, _) in enumerate(parts[1:], 1):
+        merged.addcmul_(part_out, weights[s])
+    return merged, merged_lse

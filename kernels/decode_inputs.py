@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .compressed_attention import LowRankHeads
-from .quant import Quantized, dequantize
+from .quant import Quantized, dequantize, unpack
 
 
 @dataclass(frozen=True, eq=False)
@@ -155,6 +155,23 @@ class MidCodes:
             self, k_rows=self.k_rows[start:stop], v_rows=self.v_rows[start:stop], row_stat=self.row_stat[start:stop],
             v_scale=self.v_scale[start:stop] if per_row else self.v_scale,
             v_offset=self.v_offset[start:stop] if per_row else self.v_offset)
+
+    def dense(self) -> tuple[Tensor, Tensor]:
+        """An unprojected segment's keys [Hkv, N, dk] and values [Hkv, N, dv], dequantized to
+        float32 (views of token-major tensors): its codes are the keys and values themselves,
+        so nothing is padded or projected. The same values as ``decode()``'s coefficients."""
+        if self.projected:
+            raise ValueError("MidCodes.dense reads unprojected codes; projected ones are coefficients (decode())")
+        n, heads, idx = self.tokens, self.kv_heads, self.row_stat.long()
+        dk, dv = int(self.k_ranks[0]), int(self.v_ranks[0])
+        keys = dequantize(Quantized(self.k_rows, self.k_scale[idx], self.k_offset[idx], self.k_bits, heads * dk))
+        if self.value_stats_per_row:  # [N, Hkv]: one statistic per token and head, broadcast over dv
+            scale, offset = self.v_scale[..., None], self.v_offset[..., None]
+        else:
+            scale, offset = self.v_scale[idx].view(n, heads, dv), self.v_offset[idx].view(n, heads, dv)
+        codes = unpack(self.v_rows, self.v_bits, heads * dv).view(n, heads, dv)
+        values = torch.addcmul(offset.float(), codes.float(), scale.float())
+        return keys.view(n, heads, dk).transpose(0, 1), values.transpose(0, 1)
 
     def decode(self) -> tuple[LowRankHeads, LowRankHeads]:
         """Dequantized coefficients as LowRankHeads, on an identity basis with zero mean when

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from .compressed_attention import LowRankHeads, merge_partials_lse, partial_dense, partial_lowrank
+from .compressed_attention import dense_partials, merge_partials_lse, partial_lowrank
 from .decode_inputs import DecodeSegments, MidCodes, check_softcap, pool_rows
 
 # Stored tokens one CPU tile dequantizes: a tile's K/V (float32, [Hkv, TILE_TOKENS, d]) stays in
@@ -49,7 +49,7 @@ def history_attention(q: Tensor, segs: DecodeSegments, scale: float,
 
 
 def _cpu_partials(q: Tensor, segs: DecodeSegments, scale: float, softcap: float | None) -> Iterator[tuple[Tensor, Tensor]]:
-    """One (out, lse) per tile of every segment."""
+    """The (out, lse) partials of every tile of every segment."""
     if segs.exact_pages is not None:
         pages = segs.exact_pages
         size = pages.keys.shape[2]
@@ -58,29 +58,26 @@ def _cpu_partials(q: Tensor, segs: DecodeSegments, scale: float, softcap: float 
             slots = pages.slots[first: first + per_tile]
             tokens = min(pages.tokens - first * size, slots.numel() * size)
             k, v = pool_rows(pages.keys, slots, tokens), pool_rows(pages.values, slots, tokens)
-            yield partial_dense(q, k, v, scale, softcap=softcap)
+            yield from dense_partials(q, k, v, scale, softcap)
     if segs.exact is not None:
         k, v = segs.exact
         for start in range(0, k.shape[1], TILE_TOKENS):
-            yield partial_dense(q, k[:, start: start + TILE_TOKENS], v[:, start: start + TILE_TOKENS], scale,
-                                softcap=softcap)
+            yield from dense_partials(q, k[:, start: start + TILE_TOKENS], v[:, start: start + TILE_TOKENS], scale,
+                                      softcap)
     if segs.recent is not None and segs.recent.tokens:  # a few pages (the Recent window): one tile
-        yield partial_dense(q, *segs.recent.decode(), scale, softcap=softcap)
+        yield from dense_partials(q, *segs.recent.decode(), scale, softcap)
     if segs.mid is None and segs.mid_other is not None:  # baseline Mid encodings, float
-        attend = partial_lowrank if segs.mid_other_projected else partial_dense
-        yield attend(q, *segs.mid_other, scale, softcap=softcap)
+        if segs.mid_other_projected:
+            yield partial_lowrank(q, *segs.mid_other, scale, softcap=softcap)
+        else:
+            yield from dense_partials(q, *segs.mid_other, scale, softcap)
     for epoch in ((segs.mid,) if segs.mid is not None else ()) + tuple(segs.retired):
         if not isinstance(epoch, MidCodes):
             yield partial_lowrank(q, *epoch, scale, softcap=softcap)
             continue
         for start in range(0, epoch.tokens, TILE_TOKENS):
-            keys, values = epoch.rows(start, start + TILE_TOKENS).decode()
-            yield _lowrank_or_dense(q, keys, values, epoch.projected, scale, softcap)
-
-
-def _lowrank_or_dense(q: Tensor, keys: LowRankHeads, values: LowRankHeads, projected: bool, scale: float,
-                      softcap: float | None) -> tuple[Tensor, Tensor]:
-    """A decoded Mid tile: on its bases, or (unprojected: the coefficients are K/V) as exact K/V."""
-    if projected:
-        return partial_lowrank(q, keys, values, scale, softcap=softcap)
-    return partial_dense(q, keys.coefficients, values.coefficients, scale, softcap=softcap)
+            tile = epoch.rows(start, start + TILE_TOKENS)
+            if tile.projected:  # on its bases
+                yield partial_lowrank(q, *tile.decode(), scale, softcap=softcap)
+            else:  # the codes are K/V
+                yield from dense_partials(q, *tile.dense(), scale, softcap)

@@ -39,6 +39,30 @@ def test_decode_equals_dequantized_pages():
         torch.testing.assert_close(dense, want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_dense_equals_decoded_coefficients_and_the_pages(bits):
+    """``MidCodes.dense`` (what a prefill chunk attends to) gives the values ``decode()``'s
+    coefficients hold, bit for bit, and those of the pages it was stored from; any row range."""
+    g = torch.Generator().manual_seed(bits)
+    mid, pages = unprojected_mid(lambda *s: torch.randn(*s, generator=g), 3, 64, 32, (8, 1, 0, 5, 32), bits)
+    want_k = torch.cat([dequantize(k) for k, _ in pages]).transpose(0, 1)
+    want_v = torch.cat([dequantize(v) for _, v in pages]).transpose(0, 1)
+    for start, stop in ((0, mid.tokens), (3, 20), (9, 10)):
+        rows = mid.rows(start, stop)
+        keys, values = rows.dense()
+        decoded_k, decoded_v = rows.decode()
+        assert torch.equal(keys, decoded_k.coefficients) and torch.equal(values, decoded_v.coefficients)
+        torch.testing.assert_close(keys, want_k[:, start:stop], rtol=0, atol=1e-6)
+        torch.testing.assert_close(values, want_v[:, start:stop], rtol=0, atol=1e-6)
+
+
+def test_dense_refuses_projected_codes():
+    segs = synthetic_segments(kv_heads=2, group=2, dk=16, dv=16, exact=1, recent_pages=0, page_size=4,
+                              mid_page_rows=(3, 4), mid_bits=4, seed=0)
+    with pytest.raises(ValueError, match="unprojected"):
+        segs.mid.dense()
+
+
 @st.composite
 def cases(draw):
     kv_heads = draw(st.sampled_from([1, 2, 3]))
