@@ -69,7 +69,10 @@ def expfree_scores(q_obs: Tensor, k: Tensor, scale, margin: float = DEFAULT_MARG
     if logits.shape[-1] == 0:
         return logits.sum(1)
     row_max = logits.amax(-1, keepdim=True)
-    credit = torch.relu(logits - row_max + margin)
+    # relu(logits - row_max + margin), in place on the logits (a temporary): the same ops in the
+    # same order, without allocating two more [Hkv, G*W, N] tensors (a prefill chunk's queries
+    # make them large).
+    credit = logits.sub_(row_max).add_(margin).relu_()
     if num_queries is not None:
         hq, w = q_obs.shape[:2]
         rows = (torch.arange(w, device=k.device) < num_queries).repeat(hq // k.shape[0])

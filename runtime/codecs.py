@@ -42,6 +42,26 @@ class RecentPage:
         return dequantize(self.keys), dequantize(self.values) if self.values is not None else None
 
 
+def decode_recent_pages(pages: list[RecentPage]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """`RecentPage.decode` of every page, in one batch of ops where the pages agree on shapes
+    and statistics dtypes (else page by page): the same values, dequantizing is elementwise."""
+    def layout(q: Quantized | None):
+        return None if q is None else (q.codes.shape, q.scale.shape, q.scale.dtype, q.offset.dtype, q.bits, q.length)
+
+    if len(pages) < 2 or len({(layout(p.keys), layout(p.values)) for p in pages}) > 1:
+        return [page.decode() for page in pages]
+
+    def stacked(side: str) -> torch.Tensor | None:
+        parts = [getattr(page, side) for page in pages]
+        if parts[0] is None:
+            return None
+        return dequantize(Quantized(torch.stack([q.codes for q in parts]), torch.stack([q.scale for q in parts]),
+                                    torch.stack([q.offset for q in parts]), parts[0].bits, parts[0].length))
+
+    keys, values = stacked("keys"), stacked("values")
+    return [(keys[i], None if values is None else values[i]) for i in range(len(pages))]
+
+
 def encode_recent(keys: torch.Tensor, values: torch.Tensor | None, bits: int) -> RecentPage:
     values = quantize(values, bits, reduce_dim=-1) if values is not None else None
     return RecentPage(quantize(keys, bits, reduce_dim=1), values)

@@ -18,7 +18,8 @@ from torch.nn.utils.rnn import pad_sequence
 from kvtopo.config import Config
 from kvtopo.kernels.decode_inputs import pool_rows
 
-from .codecs import MidSegment, RecentPage, encode_recent, encode_recent_pages, fit_bases, recent_page_at
+from .codecs import (MidSegment, RecentPage, decode_recent_pages, encode_recent, encode_recent_pages, fit_bases,
+                     recent_page_at)
 from .lifecycle import BudgetExceeded, Lifecycle, PageState, SequenceState, page_room
 from .page_pool import PagePool
 from .phases import Phase
@@ -111,6 +112,7 @@ class Moves:
     mid: list = field(default_factory=list)  # (source, kept [Hkv, keep]): planned pages entering Mid;
     # source is (keys, values), or the index in `recent` of a page encoded in this append
     _recent_index: dict = field(default_factory=dict)  # id(page) -> its index in `recent`
+    decoded: dict = field(default_factory=dict)  # id(page) -> (keys, values) of Recent pages the plan decoded
 
     def add_recent(self, page: "Page", keys: torch.Tensor, values: torch.Tensor | None) -> None:
         self._recent_index[id(page)] = len(self.recent)
@@ -291,7 +293,9 @@ class LayerCache(Lifecycle):
             count = keys.shape[1]
         else:
             pending = entry.moves.recent_index(page)
-            entry.moves.mid.append((self._page_kv(page) if pending is None else pending, kept))
+            if pending is None:  # a page Recent before this append: its codes as the plan decoded them
+                pending = entry.moves.decoded.pop(id(page), None) or self._page_kv(page)
+            entry.moves.mid.append((pending, kept))
             count = kept.shape[1]
         page.recent, page.mass = None, None
         entry.evicted += page.tokens - count
@@ -477,11 +481,14 @@ class LayerCache(Lifecycle):
         unless every page has it) of the group's pages, in order: each page's tokens held so far
         (pool or Recent) followed by its share of the incoming chunk."""
         P = self.config.page_size
+        coded = [entry.pages[i] for i in group if i < len(entry.pages) and entry.pages[i].slot is None
+                 and entry.pages[i].recent is not None]
+        entry.moves.decoded = {id(page): kv for page, kv in zip(coded, decode_recent_pages([p.recent for p in coded]))}
         keys, values, masses = [], [], []
         for i in group:
             page = entry.pages[i] if i < len(entry.pages) else None
             held = page.tokens if page is not None else 0
-            k, v = self._page_kv(page) if held else (key[:, :0], None)
+            k, v = (entry.moves.decoded.get(id(page)) or self._page_kv(page)) if held else (key[:, :0], None)
             start, end = i * P + held - entry.length, (i + 1) * P - entry.length
             keys.append(torch.cat([k, key[:, start:end]], 1))
             if not self.shared_value_dim:

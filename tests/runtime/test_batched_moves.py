@@ -67,5 +67,26 @@ def test_one_appends_moves_encode_as_page_by_page(fields, wide, shared, monkeypa
     batched = _state(_run(fields, chunks, shared, wide))
     # Without the batched encoders every page takes the page-by-page path.
     monkeypatch.setattr(layer_cache, "encode_recent_pages", lambda *a: None)
+    monkeypatch.setattr(layer_cache, "decode_recent_pages", lambda pages: [page.decode() for page in pages])
     monkeypatch.setattr(codecs, "quantize_float16", lambda *a, **k: None)
     _assert_same(batched, _state(_run(fields, chunks, shared, wide)))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_recent_pages_decode_together_as_one_by_one(shared):
+    """`decode_recent_pages` (the pages a joint plan ranks) gives each page's own decode, bit for
+    bit, whether the pages agree on their statistics' dtype (one batch) or not (page by page)."""
+    g = torch.Generator().manual_seed(1)
+    pages = []
+    for i in range(5):
+        k, v = torch.randn(2, 16, 16, generator=g) * 3, torch.randn(2, 16, 16, generator=g)
+        if i == 3:  # float32 statistics for this page
+            k[:, 2, 3] = 90000.0
+        pages.append(codecs.encode_recent(k, None if shared else v, 8))
+    for group in (pages[:3], pages):
+        together = codecs.decode_recent_pages([page for page in group])
+        assert len(together) == len(group)
+        for (keys, values), page in zip(together, group):
+            want_keys, want_values = page.decode()
+            assert torch.equal(keys, want_keys)
+            assert (values is None) == shared and (shared or torch.equal(values, want_values))
