@@ -124,13 +124,25 @@ class Moves:
 
 @dataclass
 class SequenceKV(SequenceState):
-    block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
+    _block_table: torch.Tensor | None = None  # `block_table` as last built; None: rebuild at the next read
     retired: list[MidSegment] = field(default_factory=list)  # earlier Mid epochs, each with its bases
     planned: dict[int, torch.Tensor] = field(default_factory=dict)  # page index -> kept tokens [Hkv, keep]
     dropped: int = 0  # tokens of the leading pages released because they left the sliding window
     evicted: int = 0  # tokens of the pages in Mid that were not kept
     moves: Moves = field(default_factory=Moves)  # pending until the append ends
     page_bytes: PageBytes = field(default_factory=PageBytes)
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """The pool slots of the pages that hold one, in page order (int32). Built when first read
+        after `slots_changed`: rebuilt at every change instead (a walk over every page), a prefill
+        chunk walked the whole sequence once per page it opened or moved."""
+        if self._block_table is None:
+            self._block_table = torch.tensor([p.slot for p in self.pages if p.slot is not None], dtype=torch.int32)
+        return self._block_table
+
+    def slots_changed(self) -> None:
+        self._block_table = None
 
 
 @dataclass
@@ -265,7 +277,7 @@ class LayerCache(Lifecycle):
     def _page_opened(self, entry: SequenceKV, page: Page) -> None:
         entry.page_bytes.track(page, self.pool.page_nbytes)
         page.slot = self.pool.allocate()
-        self._refresh_block_table(entry)
+        entry.slots_changed()
 
     def _write_tokens(self, entry: SequenceKV, page: Page, chunk, start: int, count: int) -> None:
         key, value = chunk
@@ -273,7 +285,7 @@ class LayerCache(Lifecycle):
         self.pool.values[page.slot, :, page.tokens: page.tokens + count] = value[:, start: start + count]
 
     def _settled(self, entry: SequenceKV) -> None:
-        self._refresh_block_table(entry)
+        entry.slots_changed()
 
     def _encode_recent(self, entry: SequenceKV, page: Page) -> None:
         """Deferred to the append's end (`_flush`); the exact tokens are copied now, before the
@@ -292,10 +304,10 @@ class LayerCache(Lifecycle):
             entry.mid.append_page(keys, values)
             count = keys.shape[1]
         else:
-            pending = entry.moves.recent_index(page)
-            if pending is None:  # a page Recent before this append: its codes as the plan decoded them
-                pending = entry.moves.decoded.pop(id(page), None) or self._page_kv(page)
-            entry.moves.mid.append((pending, kept))
+            source = entry.moves.recent_index(page)
+            if source is None:  # not encoded in this append: a Recent page as the plan decoded it, else read now
+                source = entry.moves.decoded.pop(id(page), None) or self._page_kv(page)
+            entry.moves.mid.append((source, kept))
             count = kept.shape[1]
         page.recent, page.mass = None, None
         entry.evicted += page.tokens - count
@@ -365,7 +377,7 @@ class LayerCache(Lifecycle):
             page.slot, page.recent, page.dropped = None, None, True
             entry.dropped += page.tokens
         if entry.dropped != dropped:
-            self._refresh_block_table(entry)
+            entry.slots_changed()
 
     def first_held(self, seq: int) -> int:
         """Index of the first token still held (tokens before it left a sliding window)."""
@@ -378,9 +390,6 @@ class LayerCache(Lifecycle):
         if entry is None:
             return 0
         return entry.length - entry.dropped - entry.evicted
-
-    def _refresh_block_table(self, entry: SequenceKV) -> None:
-        entry.block_table = torch.tensor([p.slot for p in entry.pages if p.slot is not None], dtype=torch.int32)
 
     def page_keys(self, page: Page) -> torch.Tensor:
         return self._page_kv(page)[0]
