@@ -123,3 +123,24 @@ def test_mid_rows_grow_in_amortised_steps():
     decoded, original = coded.decode(), torch.cat(expected)
     step = (original.amax(0) - original.amin(0)) / 15
     assert ((decoded - original).abs() <= step / 2 + 1e-2).all()
+
+
+@pytest.mark.parametrize("fields, window", [({}, None), ({"target_ratio": 3.0}, None), ({}, 40)])
+def test_block_table_is_the_slotted_pages_after_every_change(fields, window):
+    """The block table (built when read after a change) lists the pool slots of the pages that
+    hold one, in page order, after prefill chunks, decode steps, page moves and a window's drops;
+    reading it at every step and reading it only at the end agree."""
+    config = kvtopo.Config(page_size=8, sink_tokens=8, recent_tokens=16, **fields)
+    caches = [_LayerCache(config, make_policy(config), window=window) for _ in range(2)]
+    for cache in caches:
+        cache.scale = 0.5
+    g = torch.Generator().manual_seed(0)
+    for n in (50, 1, 1, 30, 7, *[1] * 12, 64):
+        k, v = torch.randn(2, n, 4, generator=g), torch.randn(2, n, 4, generator=g)
+        for cache in caches:
+            cache.observe(0, torch.randn(4, min(n, 4), 4, generator=torch.Generator().manual_seed(n)), 2)
+            cache.append(0, k, v)
+        entry = caches[0].sequences[0]
+        assert entry.block_table.tolist() == [p.slot for p in entry.pages if p.slot is not None]
+    assert torch.equal(caches[1].sequences[0].block_table, caches[0].sequences[0].block_table)
+    assert any(p.slot is None for p in caches[0].sequences[0].pages)  # pages did leave the pool
