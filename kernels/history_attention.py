@@ -10,9 +10,10 @@ The history comes as ``DecodeSegments`` (runtime/decode_view.py: exact pages in 
 and Mid codes as stored). On CUDA the Triton split-K kernels run with the chunk's rows tiled
 (kernels/triton_decode.py, ``history_partials``): codes unpacked in registers, nothing dequantized
 to memory. On CPU the history is attended in tiles of ``TILE_TOKENS`` stored tokens, each tile's
-codes dequantized to a small float32 block that a matrix product then reads from cache: the chunk
-never builds a dense K/V (or a [T, N] logit matrix) of the whole history, so its peak memory is
-set by the tile, not by the context length. Both are checked against the float64 reference
+codes dequantized to a small float32 block that a matrix product then reads from cache (aten's
+flash attention where it takes the partial, in the model's dtype when that is bfloat16 / float16:
+``compressed_attention.dense_partials``): the chunk never builds a dense K/V (or a [T, N] logit
+matrix) of the whole history, so its peak memory is set by the tile, not by the context length. Both are checked against the float64 reference
 (tests/kernels/test_history_attention.py).
 """
 
