@@ -159,7 +159,7 @@ class MidCodes:
     def dense(self) -> tuple[Tensor, Tensor]:
         """An unprojected segment's keys [Hkv, N, dk] and values [Hkv, N, dv], dequantized to
         float32 (views of token-major tensors): its codes are the keys and values themselves,
-        so nothing is padded or projected. The same values as ``decode()``'s coefficients."""
+        so nothing is padded or projected (``decode()`` puts them on an identity basis)."""
         if self.projected:
             raise ValueError("MidCodes.dense reads unprojected codes; projected ones are coefficients (decode())")
         n, heads, idx = self.tokens, self.kv_heads, self.row_stat.long()
@@ -175,7 +175,9 @@ class MidCodes:
 
     def decode(self) -> tuple[LowRankHeads, LowRankHeads]:
         """Dequantized coefficients as LowRankHeads, on an identity basis with zero mean when
-        unprojected (reference/fallback only)."""
+        unprojected (reference/fallback only): then the coefficients are ``dense()``'s K/V."""
+        if not self.projected:
+            return tuple(_on_identity_basis(side) for side in self.dense())
         idx = self.row_stat.long()
         sides = []
         for rows, scale, offset, bits, starts, ranks, vectors, mean, per_row in (
@@ -190,10 +192,6 @@ class MidCodes:
                 scale, offset = scale[idx], offset[idx]
             flat = dequantize(Quantized(rows, scale, offset, bits, width))  # [N, C]
             heads = ranks.shape[0]
-            if vectors is None:
-                d = int(ranks[0])
-                vectors = torch.eye(d, device=flat.device).expand(heads, d, d)
-                mean = flat.new_zeros(heads, d)
             r_pad = vectors.shape[2]
             padded = flat.new_zeros(heads, flat.shape[0], r_pad)
             for h in range(heads):
@@ -201,6 +199,12 @@ class MidCodes:
                 padded[h, :, :r] = flat[:, s: s + r]
             sides.append(LowRankHeads(padded, vectors.float(), mean.float()))
         return sides[0], sides[1]
+
+
+def _on_identity_basis(dense: Tensor) -> LowRankHeads:
+    """K or V [Hkv, N, d] as LowRankHeads: themselves as coefficients, identity vectors, zero mean."""
+    heads, _, d = dense.shape
+    return LowRankHeads(dense, torch.eye(d, device=dense.device).expand(heads, d, d), dense.new_zeros(heads, d))
 
 
 @dataclass(frozen=True, eq=False)

@@ -488,7 +488,8 @@ class LayerCache(Lifecycle):
     def _group_tokens(self, entry: SequenceKV, group: list[int], key: torch.Tensor, value: torch.Tensor):
         """Keys, values (the keys' leading dims when shared) and accumulated attention mass (None
         unless every page has it) of the group's pages, in order: each page's tokens held so far
-        (pool or Recent) followed by its share of the incoming chunk."""
+        (pool or Recent) followed by its share of the incoming chunk. The Recent pages' decoded
+        tokens are kept in `entry.moves.decoded` for `_enter_mid`, which reads them again."""
         P = self.config.page_size
         coded = [entry.pages[i] for i in group if i < len(entry.pages) and entry.pages[i].slot is None
                  and entry.pages[i].recent is not None]
