@@ -1,10 +1,12 @@
 """What a batched decode step costs per layer outside the C kernel, by batch size.
 
     python bench/decode_python.py [--batches 1 4 16] [--length 1024] [--steps 96] [--rounds 3]
-                                  [--layer smollm2|llama3-8b] [--threads 1] [--out FILE]
+                                  [--layer smollm2|llama3-8b] [--threads 1] [--per-sequence] [--out FILE]
 
-The decode step a `Session` runs for a batch of sequences in one layer (`Session._decode_batch`:
-each token written in place or appended, one batched kernel call, the queries observed) is timed
+The decode step a `Session` runs for a batch of sequences in one layer (its layer's `DecodeBatch`,
+runtime/decode_batch.py, from the second step on; with `--per-sequence` the path without it,
+`Session._decode_batch`: each token written in place or appended, one batched kernel call, the
+queries observed, in a Python loop over the sequences) is timed
 on a real `kvtopo.session(kvtopo.Config())` store: `--batches` sequences of structured K/V (see
 bench/decode_speed.py) grown to about `--length` tokens, staggered by 7 tokens each so that their
 pages fill on different steps, as in a serving batch. Each round times `--steps` steps (page moves
@@ -79,15 +81,21 @@ def batch_store(batch: int, length: int, layer: tuple[int, int, int], scale: flo
     return session, q
 
 
-def time_steps(cache, seqs: list[int], q, k_new, v_new, scale: float, steps: int) -> list[tuple[float, bool]]:
-    """(seconds, whether a sequence opened a page: its pages moved) of each of `steps` steps."""
+def time_steps(session, cache, seqs: list[int], q, k_new, v_new, scale: float, steps: int,
+               per_sequence: bool = False) -> list[tuple[float, bool]]:
+    """(seconds, whether a sequence opened a page: its pages moved) of each of `steps` steps:
+    the step a `Session` runs (its `DecodeBatch` where it takes the batch), or with
+    `per_sequence` the path without it (`Session._decode_batch`)."""
     times = []
     for _ in range(steps):
-        pages = sum(len(cache.sequences[seq].pages) for seq in seqs)
+        pages = sum(cache.page_count(seq) for seq in seqs)
         start = time.perf_counter()
-        Session._decode_batch(cache, seqs, q, k_new, v_new, scale, None)
+        if per_sequence:
+            Session._decode_batch(cache, seqs, q, k_new, v_new, scale, None)
+        else:
+            session._attend_rows(cache, seqs, q, k_new, v_new, scale, None, None)
         elapsed = time.perf_counter() - start
-        times.append((elapsed, sum(len(cache.sequences[seq].pages) for seq in seqs) != pages))
+        times.append((elapsed, sum(cache.page_count(seq) for seq in seqs) != pages))
     return times
 
 
@@ -103,8 +111,9 @@ def measure(batch: int, args, layer: tuple[int, int, int]) -> dict:
             try:
                 cache, seqs = session.layers["layer0"], list(range(batch))
                 with kernel_replaced() if name == "python" else contextlib.nullcontext():
-                    time_steps(cache, seqs, q, k_new, v_new, scale, 2)  # warm-up
-                    times[name] += time_steps(cache, seqs, q, k_new, v_new, scale, args.steps)
+                    time_steps(session, cache, seqs, q, k_new, v_new, scale, 2, args.per_sequence)  # warm-up
+                    times[name] += time_steps(session, cache, seqs, q, k_new, v_new, scale, args.steps,
+                                              args.per_sequence)
             finally:
                 session.__exit__(None, None, None)
     row = {"batch": batch}
@@ -129,6 +138,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layer", choices=sorted(LAYERS), default="smollm2")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--per-sequence", action="store_true",
+                    help="time the decode path without DecodeBatch (Session._decode_batch), for an A/B")
     ap.add_argument("--out", type=Path, default=RESULTS / "decode_python.json")
     args = ap.parse_args()
     if min(args.batches) < 1 or args.steps < 1 or args.rounds < 1 or args.length < 64:
@@ -157,6 +168,7 @@ def main() -> None:
         "steps": args.steps,
         "rounds": args.rounds,
         "threads": args.threads,
+        "path": "per_sequence" if args.per_sequence else "session",
         "load_before": load_before,
         "load_after": os.getloadavg(),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__},

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import shutil
@@ -186,7 +187,7 @@ def _kernel_partials(kernel, q: Tensor, segs: Sequence[DecodeSegments], coded: S
     def add(seg_tensors: list[Tensor], seg_ints: list[int]) -> None:
         tensors.extend(seg_tensors)
         ints.extend(seg_ints)
-        ints.append(max(1, -(-seg_ints[0] // ROWS_PER_SPLIT)))
+        ints.append(_splits(seg_ints[0]))
 
     present = [(kind, args, rows, width(segs[rows[0]])) for kind, width, args in _BATCH_WIDE
                if (rows := [b for b, s in enumerate(segs) if width(s)])]
@@ -217,6 +218,107 @@ def _kernel_partials(kernel, q: Tensor, segs: Sequence[DecodeSegments], coded: S
     for b, mid, out, lse in mids:
         parts[b].append((mid.values_out(out).reshape(hq, -1), lse.reshape(-1)))
     return whole
+
+
+def _splits(rows: int) -> int:
+    """Work items of a segment of `rows` rows: splits of at most ROWS_PER_SPLIT (at least one)."""
+    return max(1, -(-rows // ROWS_PER_SPLIT))
+
+
+class BatchArguments:
+    """The kernel's arguments for the decode steps of one batch of sequences, kept between steps
+    (runtime/decode_batch.py): each sequence's segments as ``_kernel_partials`` gives them to the
+    kernel, in one flat list, pointing at buffers of scaled queries, outputs and log-sum-exps
+    that live as long as the arguments. A step that moves no page changes only each sequence's
+    count of exact rows (``advance``: one tensor op for the batch) and the queries (one copy).
+
+    Every kind of ``_BATCH_WIDE`` has a [B] block of outputs; a sequence without a segment of a
+    kind keeps that row's lse at -inf, which the merge skips, so the kernel call and the merge
+    are ``cpu_decode_batch``'s (the same bits). Only batch-wide segments are taken (exact pages
+    read in place, Recent codes, an unprojected Mid): ``set_row`` refuses a sequence with others."""
+
+    EXACT_PAGES, NEW_TOKEN = 0, 1  # kinds: the pool's exact pages, a step's new token (``exact``)
+
+    def __init__(self, batch: int, kv_heads: int, group: int, head_dim: int, value_dim: int,
+                 scale: float, softcap: float | None):
+        check_softcap(softcap)
+        self.kernel = mid_kernel()
+        if self.kernel is None:
+            raise RuntimeError("BatchArguments needs the C decode kernel, which did not build")
+        self.batch, self.q_heads, self.scale = batch, kv_heads * group, scale
+        self.softcap = 0.0 if softcap is None else float(softcap)
+        self.qs = torch.empty(batch, kv_heads, group, head_dim)
+        self.qs_rows, self.zero_rows = self.qs.unbind(0), _zero_query_terms(batch, kv_heads, group)
+        kinds = len(_BATCH_WIDE)
+        self.out = torch.empty(kinds * batch, kv_heads, group, value_dim)
+        self.lse = torch.full((kinds * batch, kv_heads, group), -float("inf"))
+        self.out_rows, self.lse_rows = self.out.unbind(0), self.lse.unbind(0)
+        self.parts = (list(self.out.view(kinds, batch, self.q_heads, value_dim).unbind(0)),
+                      list(self.lse.view(kinds, batch, self.q_heads).unbind(0)), [0] * kinds)
+        self.row_tensors: list[list[Tensor]] = [[] for _ in range(batch)]
+        self.row_ints: list[list[int]] = [[] for _ in range(batch)]
+        self.exact_rows = torch.zeros(batch, dtype=torch.long)  # each sequence's exact tokens
+        self.tensors: list[Tensor] = []
+        self.ints = torch.zeros(0, dtype=torch.long)
+        self.exact_at = torch.zeros(batch, dtype=torch.long)  # where each exact-page count lies in ints
+
+    def set_row(self, b: int, segs: DecodeSegments) -> bool:
+        """Sequence b's segments (its new token not among them); False, and nothing changed, when
+        one is not batch-wide or its exact pages are not read in place. ``flatten`` after."""
+        if (segs.exact_pages is None or not segs.exact_pages.tokens or segs.exact is not None
+                or segs.mid_other is not None or segs.retired or (segs.mid is not None and not _batch_wide_mid(segs))):
+            return False
+        tensors, ints = [], []
+        for k, (kind, width, args) in enumerate(_BATCH_WIDE):
+            if width(segs):
+                seg_tensors, seg_ints = args(self.qs_rows[b], self.zero_rows[b], getattr(segs, kind),
+                                             self.out_rows[k * self.batch + b], self.lse_rows[k * self.batch + b])
+                tensors += seg_tensors
+                ints += seg_ints + [_splits(seg_ints[0])]
+            else:
+                self.lse_rows[k * self.batch + b].fill_(-float("inf"))
+        self.row_tensors[b], self.row_ints[b] = tensors, ints
+        self.exact_rows[b] = segs.exact_pages.tokens
+        return True
+
+    def flatten(self) -> None:
+        """The rows' arguments as the one list the kernel takes (after ``set_row``)."""
+        self.tensors = list(itertools.chain.from_iterable(self.row_tensors))
+        self.ints = torch.tensor(list(itertools.chain.from_iterable(self.row_ints)), dtype=torch.long)
+        self.exact_at = torch.tensor([0, *itertools.accumulate(map(len, self.row_ints[:-1]))], dtype=torch.long)
+
+    def advance(self, rows: Tensor | None = None) -> None:
+        """One more exact token for the sequences `rows` (None: every sequence)."""
+        if rows is None:
+            self.exact_rows += 1
+        else:
+            self.exact_rows[rows] += 1
+        self.ints[self.exact_at] = self.exact_rows
+        self.ints[self.exact_at + SPLITS_AT] = (self.exact_rows + ROWS_PER_SPLIT - 1).div(
+            ROWS_PER_SPLIT, rounding_mode="floor").clamp_(min=1)
+
+    def attend(self, q: Tensor, new_tokens: Sequence[tuple[int, Tensor, Tensor]] = ()) -> Tensor:
+        """q [B, Hq, d] over every sequence's segments, plus for each (b, key, value) of
+        `new_tokens` that token (key/value [Hkv, 1, d]: a sequence whose token is not stored yet)
+        -> [B, Hq, dv] float32."""
+        self.qs.copy_(q.reshape(self.qs.shape)).mul_(self.scale)
+        tensors, ints = self.tensors, self.ints.tolist()
+        if new_tokens:
+            tensors = list(tensors)
+            for b, key, value in new_tokens:
+                seg_tensors, seg_ints = _exact_args(self.qs_rows[b], self.zero_rows[b], (key, value),
+                                                    self.out_rows[self.batch + b], self.lse_rows[self.batch + b])
+                tensors += seg_tensors
+                ints += seg_ints + [_splits(seg_ints[0])]
+        self.kernel.decode_segments(tensors, ints, torch.get_num_threads(), self.softcap)
+        merged = self.out.new_empty(self.batch * self.q_heads, self.out.shape[-1])
+        self.kernel.merge_parts(*self.parts, merged)
+        if new_tokens:  # their rows read as empty again
+            self.lse[[self.NEW_TOKEN * self.batch + b for b, _, _ in new_tokens]] = -float("inf")
+        return merged.view(self.batch, self.q_heads, -1)
+
+
+SPLITS_AT = 21  # a segment's split count, after N and the two sides' 10 ints each
 
 
 @functools.lru_cache(maxsize=16)
@@ -373,9 +475,11 @@ def _paged_exact_args(qp: Tensor, qb: Tensor, pages: PagedExact, out: Tensor,
     slots, (_, heads, page, dk), dv = pages.slots, pages.keys.shape, pages.values.shape[-1]
     size = pages.keys.element_size()
     k_starts, k_ranks, v_starts, v_ranks, k_ones, k_zeros, v_ones, v_zeros = _exact_layout(heads, dk, dv)
+    # row_stat covers the pages' capacity, so that the arguments of a page still filling stay
+    # valid as its rows grow (`BatchArguments`).
     tensors = [qp, qb, pages.keys.view(torch.uint8), k_ones, k_zeros, k_starts, k_ranks, slots,
-               pages.values.view(torch.uint8), v_ones, v_zeros, v_starts, v_ranks, slots, _zero_rows(pages.tokens),
-               out, lse]
+               pages.values.view(torch.uint8), v_ones, v_zeros, v_starts, v_ranks, slots,
+               _zero_rows(slots.numel() * page), out, lse]
     ints = [pages.tokens,
             8 * size, heads, dk, size * dk, size * page * dk, 0, 0, 0, page, size * heads * page * dk,
             8 * size, heads, dv, size * dv, size * page * dv, 0, 0, 0, page, size * heads * page * dv]

@@ -97,7 +97,7 @@ class SessionCache(Cache):
         first = next(iter(session.layers.values()), None)
         if first is None:
             return 0
-        return max((first.length(seq) for seq in first.sequences), default=0)
+        return first.longest()
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1

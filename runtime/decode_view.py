@@ -132,7 +132,12 @@ def decode_segments(cache: LayerCache, seq: int, k_new: Tensor | None = None, v_
     k/v [Hkv, 1, d] appended to the exact segment (the new token sees itself). A float32 or bfloat16
     CPU pool's exact pages are handed over in place (``exact_pages``; ``exact`` is then the new
     token alone); other pools' are copied into ``exact``."""
-    entry = cache.sequences.get(seq)
+    return entry_segments(cache, cache.sequences.get(seq), k_new, v_new)
+
+
+def entry_segments(cache: LayerCache, entry, k_new: Tensor | None = None, v_new: Tensor | None = None) -> DecodeSegments:
+    """``decode_segments`` of a sequence's state (None: no history), read as it is: a decode
+    batch (runtime/decode_batch.py) builds its sequences' arguments here without settling."""
     ks, vs, paged = [], [], None
     view = _pages_view(cache, entry) if entry is not None and entry.pages else None
     if view is not None and entry.length and view.exact_slots is not None:  # read in place

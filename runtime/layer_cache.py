@@ -173,8 +173,26 @@ class LayerCache(Lifecycle):
         self.shared_value_dim = shared_value_dim
         self.window = window
         self.pool: PagePool | None = None
-        self.sequences: dict[int, SequenceKV] = {}
+        self._sequences: dict[int, SequenceKV] = {}
         self.scale: float | None = None
+        # The batch whose decode steps run without Python per sequence (runtime/decode_batch.py);
+        # it defers its sequences' counters, so every read of the store writes it back first.
+        self.decode_batch = None
+        self.decode_batch_refused = 0  # decode steps to run without one before trying to make one again
+        self.decode_batch_candidate = None  # the last decode step's batch (runtime/decode_batch.decode_step)
+        self._longest = 0  # the longest sequence's length
+
+    @property
+    def sequences(self) -> dict[int, SequenceKV]:
+        """Every sequence's state, with a decode batch's deferred counters written back."""
+        self.write_back()
+        return self._sequences
+
+    def write_back(self) -> None:
+        """Write back what the current decode batch deferred, and end it."""
+        batch, self.decode_batch = self.decode_batch, None
+        if batch is not None:
+            batch.write_back()
 
     # -- writing -------------------------------------------------------------------------------
     def _pool_for(self, key: torch.Tensor, value: torch.Tensor) -> PagePool:
@@ -193,27 +211,47 @@ class LayerCache(Lifecycle):
         return pool
 
     def length(self, seq: int) -> int:
-        entry = self.sequences.get(seq)
-        return entry.length if entry else 0
+        """Tokens of `seq` stored (counting those a decode batch has not written back yet)."""
+        entry = self._sequences.get(seq)
+        if entry is None:
+            return 0
+        return entry.length + (self.decode_batch.deferred(seq) if self.decode_batch is not None else 0)
+
+    def page_count(self, seq: int) -> int:
+        """Pages `seq` has opened (0: none); a decode batch defers no page, so this reads without
+        writing it back."""
+        entry = self._sequences.get(seq)
+        return len(entry.pages) if entry is not None else 0
+
+    def longest(self) -> int:
+        """The longest sequence's length (0 when none): read by every forward for positions,
+        so kept as sequences grow instead of looking at each."""
+        return self._longest
 
     def _entry(self, seq: int) -> SequenceKV:
         """Sequence `seq`'s state, made on first use (not `setdefault`: a SequenceKV is not free
         to build, and decode steps look one up in every layer)."""
-        entry = self.sequences.get(seq)
+        entry = self._sequences.get(seq)
         if entry is None:
-            entry = self.sequences[seq] = SequenceKV()
+            entry = self._sequences[seq] = SequenceKV()
         return entry
 
     def observe(self, seq: int, queries: torch.Tensor, kv_heads: int) -> None:
+        self.write_back()
         super().observe(self._entry(seq), queries, kv_heads)
 
     def append(self, seq: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Append key [Hkv, n, dk] / value [Hkv, n, dv] to `seq`, then move pages through phases."""
+        self.write_back()
+        self.append_entry(self._entry(seq), key, value)
+
+    def append_entry(self, entry: SequenceKV, key: torch.Tensor, value: torch.Tensor) -> None:
+        """`append` to a sequence's state (a decode batch appends its written-back sequences here,
+        without settling the others)."""
         n = key.shape[1]
         if n == 0:
             return
         self._pool_for(key, value)
-        entry = self._entry(seq)
         self.start_append(entry, n, key.shape[-1], (key, value))
         if self.config.eviction_scope == "append":
             entry.planned = self._plan_joint_eviction(entry, key, value)
@@ -224,6 +262,7 @@ class LayerCache(Lifecycle):
             entry.planned = {}
         if self.window is not None:
             self._drop_outside_window(entry)
+        self._longest = max(self._longest, entry.length)
 
     def append_decode(self, seqs: list[int], key: torch.Tensor, value: torch.Tensor) -> None:
         """Append one token to each of the distinct sequences `seqs` (key/value [B, Hkv, 1, d]):
@@ -238,6 +277,7 @@ class LayerCache(Lifecycle):
         is all `append` would do for it. Returns the rows it did not write, in order; the caller
         `append`s those. A serving batch appends every decode step of a layer here, so the cost
         per step is not a Python walk of the lifecycle per sequence."""
+        self.write_back()
         if len(set(seqs)) != len(seqs) or key.shape[0] != len(seqs) or key.shape[2] != 1:
             raise ValueError(f"a decode append takes one token for each distinct sequence, got ids {seqs} "
                              f"for keys of shape {tuple(key.shape)}")
@@ -245,7 +285,7 @@ class LayerCache(Lifecycle):
         plain = self.window is None and not self.shared_value_dim  # no window drops, values stored
         rows, slots, offsets, entries, rest = [], [], [], [], []
         for i, seq in enumerate(seqs):
-            entry = self.sequences.get(seq)
+            entry = self._sequences.get(seq)
             page = entry.pages[-1] if entry is not None and entry.pages else None
             if (plain and page is not None and page.slot is not None and page.tokens < P
                     and not self.starts_epoch(entry, 1, key.shape[-1])):
@@ -268,6 +308,7 @@ class LayerCache(Lifecycle):
             entry.pages[-1].tokens += 1
             entry.length += 1
             entry.final_length = entry.length
+            self._longest = max(self._longest, entry.length)
         return rest
 
     # -- the lifecycle's hooks -----------------------------------------------------------------
@@ -574,6 +615,8 @@ class LayerCache(Lifecycle):
             for page in entry.pages:
                 if page.slot is not None:
                     self.pool.release(page.slot)
+        if entry is not None and entry.length == self._longest:
+            self._longest = max((e.length for e in self._sequences.values()), default=0)
 
     # -- accounting ----------------------------------------------------------------------------
     def page_nbytes(self, page: Page) -> int:
@@ -610,9 +653,10 @@ class LayerCache(Lifecycle):
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held per phase, plus free pool slots and metadata (tables, bases, queries):
-        O(sequences), from each sequence's `PageBytes`."""
+        O(sequences), from each sequence's `PageBytes`. A decode batch's deferred counters hold no
+        bytes (its tokens are in slots already counted), so this does not write it back."""
         kinds = {phase.value: 0 for phase in Phase} | {"free": 0, "metadata": 0}
-        for entry in self.sequences.values():
+        for entry in self._sequences.values():
             for phase, n in entry.page_bytes.by_phase.items():
                 kinds[phase.value] += n
             kinds[Phase.TERMINAL.value] += self._opening_nbytes(entry)

@@ -25,6 +25,7 @@ from kvtopo.kernels.history_attention import history_attention
 from kvtopo.kernels.reference import chunk_causal_mask, grouped_attention
 
 from . import context
+from .decode_batch import decode_step
 from .decode_view import attend_cache_batch, decode_segments
 from .layer_cache import LayerCache, Segments
 from .policies import make_policy
@@ -94,7 +95,7 @@ class Session:
         if valid.dtype != torch.bool or valid.dim() != 2:
             raise ValueError(f"step validity must be a [batch, tokens] bool tensor, got {valid.dtype} {tuple(valid.shape)}")
         self._step_valid = valid
-        self._step_full = [b for b, row in enumerate(valid.all(1).tolist()) if row]
+        self._step_full = valid.all(1).nonzero().squeeze(1).tolist()
         try:
             yield
         finally:
@@ -226,7 +227,7 @@ class Session:
         prefix = self.model_name(model_key) + "/"
         for name, cache in self.layers.items():
             if name.startswith(prefix):
-                return max((cache.length(seq) for seq in cache.sequences), default=0)
+                return cache.longest()
         return 0
 
     def _attend_rows(self, cache: LayerCache, seqs: Sequence[int], q, k, v, scale: float, softcap: float | None,
@@ -234,6 +235,10 @@ class Session:
         """Attend q[i] [Hq, T, d] of sequence seqs[i] over [its history ; its chunk k[i], v[i]],
         then store the chunks. Decode steps that can read the stored codes directly (C kernel on
         CPU, Triton on CUDA) go together through one batched call; the other rows one by one."""
+        if q.shape[2] == 1 and sinks is None:
+            out = decode_step(cache, seqs, q, k, v, scale, softcap)
+            if out is not None:
+                return out
         fast = [i for i, seq in enumerate(seqs) if self._reads_codes(cache, seq, q[i], sinks)]
         if len(fast) == len(seqs):
             return self._decode_batch(cache, seqs, q, k, v, scale, softcap)

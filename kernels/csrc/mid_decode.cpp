@@ -603,8 +603,9 @@ static const int SEGMENT_TENSORS = 17, SEGMENT_INTS = 22;
 
 // Per segment, 17 tensors: qp [H, G, RK], qb [H, G], then for keys and for values: rows (uint8),
 // scale, offset (float32 or float16), starts, ranks (int32 [H]), slots (int32, empty unless paged); row_stat
-// [N] int32, out [H, G, RV] and lse [H, G] (both written). And 22 ints: N, then 10 per side (see
-// `side`), then the number of splits of the rows.
+// [N] int32 (or longer: rows past N are not read; a paged segment's covers its pages' capacity),
+// out [H, G, RV] and lse [H, G] (both written). And 22 ints: N, then 10 per side (see `side`),
+// then the number of splits of the rows.
 static Segment segment(const at::Tensor *t, const int64_t *f) {
     Segment sg;
     const at::Tensor &qp = t[0], &out = t[15], &lse = t[16];
@@ -614,7 +615,7 @@ static Segment segment(const at::Tensor *t, const int64_t *f) {
     sg.k = side(t + 2, f + 1, sg.H, sg.N, "keys");
     sg.v = side(t + 8, f + 11, sg.H, sg.N, "values");
     sg.row_stat = input<int>(t[14], "row_stat");
-    TORCH_CHECK(t[14].numel() == sg.N && sg.S >= 1, "row_stat must have N rows, splits >= 1");
+    TORCH_CHECK(t[14].numel() >= sg.N && sg.S >= 1, "row_stat must have N rows (or more), splits >= 1");
     sg.out = const_cast<float *>(input<float>(out, "out")); sg.lse = const_cast<float *>(input<float>(lse, "lse"));
     TORCH_CHECK(out.size(0) == sg.H && out.size(1) == sg.G && lse.numel() == sg.H * sg.G, "out/lse shapes");
     for (int h = 0; h < sg.H; ++h)

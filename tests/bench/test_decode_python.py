@@ -18,13 +18,16 @@ import decode_python  # noqa: E402
 
 
 @pytest.mark.skipif(not cpu_decode.c_kernel_available(), reason="the C kernel cannot be built here")
-def test_batches_are_timed_with_and_without_the_kernel(tmp_path):
+@pytest.mark.parametrize("path", ["session", "per_sequence"])
+def test_batches_are_timed_with_and_without_the_kernel(tmp_path, path):
     out = tmp_path / "dp.json"
+    flag = ["--per-sequence"] if path == "per_sequence" else []
     done = subprocess.run([sys.executable, str(SCRIPT), "--batches", "1", "3", "--length", "96", "--steps", "40",
-                           "--rounds", "1", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           "--rounds", "1", "--out", str(out), *flag], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert [row["batch"] for row in result["rows"]] == [1, 3]
+    assert result["path"] == path and [row["batch"] for row in result["rows"]] == [1, 3]
     for row in result["rows"]:
         for name in ("step", "python"):
             timed = row[name]

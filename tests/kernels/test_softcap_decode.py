@@ -175,6 +175,9 @@ def _decode(compiled, config, ids, attend):
 
     mp = pytest.MonkeyPatch()
     mp.setattr(session_mod, "attend_cache_batch", spy)
+    # Every step by the per-sequence path, whose kernel call the spy replaces (a DecodeBatch's steps
+    # are that path's bits: tests/runtime/test_decode_batch.py).
+    mp.setattr(session_mod, "decode_step", lambda *args: None)
     try:
         with kvtopo.session(config) as s:
             tokens, logits = kvtopo.generate(compiled, ids, STEPS, return_logits=True)

@@ -42,15 +42,23 @@ def _data(seed=0):
 
 
 def _spy(monkeypatch):
-    """Records the number of sequences of every batched decode call the session makes."""
+    """Records the number of sequences of every batched decode call the session makes (by a
+    layer's DecodeBatch, or by the per-sequence path)."""
     sizes = []
-    real = session_mod.attend_cache_batch
+    real, real_step = session_mod.attend_cache_batch, session_mod.decode_step
 
     def spy(cache, seqs, *args, **kwargs):
         sizes.append(len(seqs))
         return real(cache, seqs, *args, **kwargs)
 
+    def spy_step(cache, seqs, *args):
+        out = real_step(cache, seqs, *args)
+        if out is not None:
+            sizes.append(len(seqs))
+        return out
+
     monkeypatch.setattr(session_mod, "attend_cache_batch", spy)
+    monkeypatch.setattr(session_mod, "decode_step", spy_step)
     return sizes
 
 
