@@ -422,15 +422,26 @@ class LayerCache(Lifecycle):
 
     def first_held(self, seq: int) -> int:
         """Index of the first token still held (tokens before it left a sliding window)."""
-        entry = self.sequences.get(seq)
+        entry = self._sequences.get(seq)
         return entry.dropped if entry else 0
 
     def held_tokens(self, seq: int) -> int:
         """Tokens whose keys/values are held in any form (not evicted, not out of the window)."""
-        entry = self.sequences.get(seq)
+        entry = self._sequences.get(seq)
         if entry is None:
             return 0
-        return entry.length - entry.dropped - entry.evicted
+        return self.length(seq) - entry.dropped - entry.evicted
+
+    def sequence_ids(self) -> list[int]:
+        """The sequences this layer holds, in the order they came."""
+        return list(self._sequences)
+
+    def stored_state(self, seq: int) -> SequenceKV | None:
+        """`seq`'s state without writing a decode batch back: its pages, slots, Mid epochs and
+        refit point are current; its length, its Terminal page's token count and its observation
+        window may lag by the batch's steps (`length` is current). For accounting read on
+        every serving step; `sequences` for anything else."""
+        return self._sequences.get(seq)
 
     def page_keys(self, page: Page) -> torch.Tensor:
         return self._page_kv(page)[0]
@@ -633,8 +644,8 @@ class LayerCache(Lifecycle):
     def over_budget(self, seq: int) -> bool:
         """Whether `seq` holds more than its budget now (possible when the exact pages and
         metadata alone exceed it, e.g. at short contexts)."""
-        entry = self.sequences.get(seq)
-        budget = self.budget(entry.length) if entry and self.pool is not None else None
+        entry = self._sequences.get(seq)
+        budget = self.budget(self.length(seq)) if entry and self.pool is not None else None
         return budget is not None and self.sequence_nbytes(entry) > budget
 
     def mid_nbytes(self, entry: SequenceKV) -> int:

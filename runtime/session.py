@@ -310,6 +310,8 @@ class Session:
 
     # -- accounting ------------------------------------------------------------------------------
     def stats(self) -> CacheStats:
+        """What the session holds now; read without ending any layer's decode batch (a serving
+        loop measures it after every step)."""
         per_layer, per_kind, fp16, missed, held = {}, {}, 0, False, {}
         tokens: list[int] = []
         for name, cache in self.layers.items():
@@ -321,9 +323,9 @@ class Session:
             if cache.pool is not None:
                 heads, kd, vd = cache.pool.keys.shape[1], cache.pool.keys.shape[-1], cache.pool.values.shape[-1]
                 # An fp16 cache of a windowed layer holds only its window too (what HF keeps).
-                stored = sum(e.length - e.dropped for e in cache.sequences.values())
+                stored = sum(cache.length(seq) - cache.first_held(seq) for seq in cache.sequence_ids())
                 fp16 += stored * heads * (kd + vd) * 2
-            missed |= any(cache.over_budget(seq) for seq in cache.sequences)
+            missed |= any(cache.over_budget(seq) for seq in cache.sequence_ids())
         if self.layers:
             first = next(iter(self.layers.values()))
             tokens = [first.length(s) for s in self._sequence_ids(first)]
@@ -332,7 +334,7 @@ class Session:
     def _sequence_ids(self, cache: LayerCache):
         """The sequences stats() reports: batch rows 0..B-1, or (sequences added through
         `attend_sequence` only) the ids the layer holds, ascending."""
-        return range(self._batch) if self._batch is not None else sorted(cache.sequences)
+        return range(self._batch) if self._batch is not None else sorted(cache.sequence_ids())
 
 
 def _history_partials(q, segments: Segments, scale: float, softcap: float | None) -> list:

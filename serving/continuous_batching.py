@@ -204,7 +204,7 @@ class _Growth:
         for name in self.layers:
             layer = self.session.layers.get(name)
             pool = layer.pool if layer is not None else None
-            entry = layer.sequences.get(seq) if layer is not None and seq is not None else None
+            entry = layer.stored_state(seq) if layer is not None and seq is not None else None
             page = pool.page_nbytes if pool is not None else self.first_page_nbytes
             live = entry.block_table.numel() if entry is not None else 0
             slots = min(opened, max(0, self.exact_pages(pages_after) - live))

@@ -113,8 +113,8 @@ def test_same_bits_and_store_as_the_per_sequence_path(name, dtype, softcap, monk
 
 
 def test_reads_and_writes_in_the_middle_of_a_batch(monkeypatch):
-    """The deferred counters are read right without ending the batch (`length`, `longest`),
-    written back by any other read or write; a prefill chunk or a release in the middle, and
+    """The deferred counters are read right without ending the batch (`length`, `longest`,
+    `stats()`), written back by any other read or write; a prefill chunk or a release in the middle, and
     a batch of other sequences, end the batch; the next steps make a new one."""
     taken = _count_steps(monkeypatch)
     steps = _steps(4 * PAGE, torch.float32)
@@ -127,6 +127,9 @@ def test_reads_and_writes_in_the_middle_of_a_batch(monkeypatch):
             assert torch.equal(out, twin.attend_sequences("l", seqs, q[rows], k[rows], v[rows], SCALE))
             assert [ca.length(s) for s in range(3)] == [cb.length(s) for s in range(3)]
             assert ca.longest() == cb.longest()
+            if i == 4:  # accounting reads the deferred counters without ending the batch
+                assert ca.decode_batch is not None and batched.stats() == twin.stats()
+                assert ca.decode_batch is not None
             if i == 5:
                 assert ca.decode_batch is not None
                 _assert_same_store(batched, twin)  # reads `sequences`: ends the batch
