@@ -230,7 +230,8 @@ class BatchArguments:
     (runtime/decode_batch.py): each sequence's segments as ``_kernel_partials`` gives them to the
     kernel, in one flat list, pointing at buffers of scaled queries, outputs and log-sum-exps
     that live as long as the arguments. A step that moves no page changes only each sequence's
-    count of exact rows (``advance``: one tensor op for the batch) and the queries (one copy).
+    count of exact rows (``advance``: one tensor op for the batch; the kernel derives the splits
+    from the count, ``-ROWS_PER_SPLIT``) and the queries (one copy).
 
     Every kind of ``_BATCH_WIDE`` has a [B] block of outputs; a sequence without a segment of a
     kind keeps that row's lse at -inf, which the merge skips, so the kernel call and the merge
@@ -257,10 +258,11 @@ class BatchArguments:
                       list(self.lse.view(kinds, batch, self.q_heads).unbind(0)), [0] * kinds)
         self.row_tensors: list[list[Tensor]] = [[] for _ in range(batch)]
         self.row_ints: list[list[int]] = [[] for _ in range(batch)]
-        self.exact_rows = torch.zeros(batch, dtype=torch.long)  # each sequence's exact tokens
         self.tensors: list[Tensor] = []
         self.ints = torch.zeros(0, dtype=torch.long)
         self.exact_at = torch.zeros(batch, dtype=torch.long)  # where each exact-page count lies in ints
+        self._ones = torch.ones(batch, dtype=torch.long)
+        self._set = torch.zeros(batch, dtype=torch.bool)  # rows set since the last flatten
 
     def set_row(self, b: int, segs: DecodeSegments) -> bool:
         """Sequence b's segments (its new token not among them); False, and nothing changed, when
@@ -274,28 +276,28 @@ class BatchArguments:
                 seg_tensors, seg_ints = args(self.qs_rows[b], self.zero_rows[b], getattr(segs, kind),
                                              self.out_rows[k * self.batch + b], self.lse_rows[k * self.batch + b])
                 tensors += seg_tensors
-                ints += seg_ints + [_splits(seg_ints[0])]
+                ints += seg_ints + [-ROWS_PER_SPLIT]
             else:
                 self.lse_rows[k * self.batch + b].fill_(-float("inf"))
         self.row_tensors[b], self.row_ints[b] = tensors, ints
-        self.exact_rows[b] = segs.exact_pages.tokens
+        self._set[b] = True
         return True
 
     def flatten(self) -> None:
-        """The rows' arguments as the one list the kernel takes (after ``set_row``)."""
+        """The rows' arguments as the one list the kernel takes (after ``set_row``); the rows not
+        set since the last call keep the exact counts ``advance`` brought them to."""
+        ints, at, kept = self.ints, self.exact_at, ~self._set
         self.tensors = list(itertools.chain.from_iterable(self.row_tensors))
         self.ints = torch.tensor(list(itertools.chain.from_iterable(self.row_ints)), dtype=torch.long)
         self.exact_at = torch.tensor([0, *itertools.accumulate(map(len, self.row_ints[:-1]))], dtype=torch.long)
+        if ints.numel():
+            self.ints[self.exact_at[kept]] = ints[at[kept]]
+        self._set.zero_()
 
     def advance(self, rows: Tensor | None = None) -> None:
         """One more exact token for the sequences `rows` (None: every sequence)."""
-        if rows is None:
-            self.exact_rows += 1
-        else:
-            self.exact_rows[rows] += 1
-        self.ints[self.exact_at] = self.exact_rows
-        self.ints[self.exact_at + SPLITS_AT] = (self.exact_rows + ROWS_PER_SPLIT - 1).div(
-            ROWS_PER_SPLIT, rounding_mode="floor").clamp_(min=1)
+        at = self.exact_at if rows is None else self.exact_at[rows]
+        self.ints.index_add_(0, at, self._ones[: at.numel()])
 
     def attend(self, q: Tensor, new_tokens: Sequence[tuple[int, Tensor, Tensor]] = ()) -> Tensor:
         """q [B, Hq, d] over every sequence's segments, plus for each (b, key, value) of
@@ -309,7 +311,7 @@ class BatchArguments:
                 seg_tensors, seg_ints = _exact_args(self.qs_rows[b], self.zero_rows[b], (key, value),
                                                     self.out_rows[self.batch + b], self.lse_rows[self.batch + b])
                 tensors += seg_tensors
-                ints += seg_ints + [_splits(seg_ints[0])]
+                ints += seg_ints + [-ROWS_PER_SPLIT]
         self.kernel.decode_segments(tensors, ints, torch.get_num_threads(), self.softcap)
         merged = self.out.new_empty(self.batch * self.q_heads, self.out.shape[-1])
         self.kernel.merge_parts(*self.parts, merged)
@@ -317,8 +319,6 @@ class BatchArguments:
             self.lse[[self.NEW_TOKEN * self.batch + b for b, _, _ in new_tokens]] = -float("inf")
         return merged.view(self.batch, self.q_heads, -1)
 
-
-SPLITS_AT = 21  # a segment's split count, after N and the two sides' 10 ints each
 
 
 @functools.lru_cache(maxsize=16)

@@ -49,8 +49,10 @@ class DecodeBatch:
         self.step_index = 0
         self.synced_at = [0] * batch  # the step up to which each sequence's counters are written back
         self.due: dict[int, list[int]] = {}  # step -> the sequences whose token cannot land in place then
-        self.slots = torch.zeros(batch, dtype=torch.long)  # each Terminal page's slot and next row
-        self.offsets = torch.zeros(batch, dtype=torch.long)
+        # Where each sequence's next token goes in the pool's rows ([slots * Hkv * P, d]), per kv-head.
+        self.pool_rows = (cache.pool.keys.view(-1, cache.pool.keys.shape[-1]),
+                          cache.pool.values.view(-1, cache.pool.values.shape[-1]))
+        self.next_rows = torch.zeros(batch, cache.pool.keys.shape[1], dtype=torch.long)
         self.every_row = torch.ones(batch, dtype=torch.bool)
         # The steps' queries, [window, B, Hq, d] float16 (as a window holds them), step s at s % window.
         self.ring = None if window is None else torch.empty(window, batch, q_heads, head_dim, dtype=torch.float16)
@@ -62,7 +64,7 @@ class DecodeBatch:
               scale: float, softcap: float | None) -> "DecodeBatch | None":
         """The batch, or None when a sequence's history is not read in place by the kernel."""
         pool = cache.pool
-        if (pool is None or cache.window is not None or cache.shared_value_dim or cache.policy.tracks_attention_mass or pool.keys.device.type != "cpu" or pool.keys.dtype not in (torch.float32, torch.bfloat16)
+        if (pool is None or not pool.keys.is_contiguous() or not pool.values.is_contiguous() or cache.window is not None or cache.shared_value_dim or cache.policy.tracks_attention_mass or pool.keys.device.type != "cpu" or pool.keys.dtype not in (torch.float32, torch.bfloat16)
                 or q.device.type != "cpu" or not cpu_decode.c_kernel_available() or len(set(seqs)) != len(seqs)
                 or (k.shape[1], k.shape[-1], v.shape[-1], k.dtype) != (pool.keys.shape[1], pool.keys.shape[-1],
                                                                        pool.values.shape[-1], pool.keys.dtype)):
@@ -97,26 +99,28 @@ class DecodeBatch:
         steps = 0  # in-place steps before the token that cannot land in place (LayerCache.write_in_place)
         while steps < room and not self.cache.starts_epoch(entry, steps + 1, self.cache.pool.keys.shape[-1]):
             steps += 1
-        self.slots[b], self.offsets[b] = (page.slot or 0), page.tokens
+        heads = self.next_rows.shape[1]
+        self.next_rows[b] = ((page.slot or 0) * heads + torch.arange(heads)) * size + page.tokens
         self.due.setdefault(self.step_index + steps, []).append(b)
         return True
 
     # -- stepping ------------------------------------------------------------------------------
     def step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """One decode step: q [B, Hq, 1, d], k/v [B, Hkv, 1, d] -> [B, Hq, 1, dv] in q's dtype."""
-        pool, index = self.cache.pool, self.step_index
+        index = self.step_index
         due = self.due.pop(index, [])
         rows = None
         if due:
             keep = self.every_row.clone()
             keep[due] = False
             rows = keep.nonzero().squeeze(1)
-        written = slice(None) if rows is None else rows
-        if rows is None or rows.numel():
-            slots, offsets = self.slots[written], self.offsets[written]
-            pool.keys[slots, :, offsets] = k[written, :, 0]
-            pool.values[slots, :, offsets] = v[written, :, 0]
-            self.offsets[written] += 1
+        if rows is None:
+            self._write(self.next_rows, k, v)
+            self.next_rows += 1
+            self.args.advance()
+        elif rows.numel():
+            self._write(self.next_rows[rows], k[rows], v[rows])
+            self.next_rows[rows] += 1
             self.args.advance(rows)
         out = self.args.attend(q[:, :, 0], [(b, k[b], v[b]) for b in due])
         if self.ring is not None:
@@ -134,6 +138,12 @@ class DecodeBatch:
             else:
                 self.args.flatten()
         return out[:, :, None].to(q.dtype)
+
+    def _write(self, next_rows: Tensor, k: Tensor, v: Tensor) -> None:
+        """Each sequence's token (k/v [n, Hkv, 1, d]) into its Terminal page's next row."""
+        at = next_rows.reshape(-1)
+        self.pool_rows[0].index_copy_(0, at, k.reshape(at.numel(), -1))
+        self.pool_rows[1].index_copy_(0, at, v.reshape(at.numel(), -1))
 
     # -- writing back ----------------------------------------------------------------------------
     def deferred(self, seq: int) -> int:

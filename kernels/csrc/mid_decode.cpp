@@ -605,13 +605,15 @@ static const int SEGMENT_TENSORS = 17, SEGMENT_INTS = 22;
 // scale, offset (float32 or float16), starts, ranks (int32 [H]), slots (int32, empty unless paged); row_stat
 // [N] int32 (or longer: rows past N are not read; a paged segment's covers its pages' capacity),
 // out [H, G, RV] and lse [H, G] (both written). And 22 ints: N, then 10 per side (see `side`),
-// then the number of splits of the rows.
+// then the number of splits of the rows, or -r for splits of at most r rows (as many as N needs,
+// at least one: a caller that grows N between calls need not recount them).
 static Segment segment(const at::Tensor *t, const int64_t *f) {
     Segment sg;
     const at::Tensor &qp = t[0], &out = t[15], &lse = t[16];
     sg.qp = input<float>(qp, "qp"); sg.qb = input<float>(t[1], "qb");
     sg.H = qp.size(0); sg.G = qp.size(1); sg.RK = qp.size(2); sg.RV = out.size(2);
-    sg.N = f[0]; sg.S = f[21];
+    sg.N = f[0];
+    sg.S = f[21] >= 0 ? (int)f[21] : std::max(1, (int)((sg.N - f[21] - 1) / -f[21]));  // -r: splits of r rows
     sg.k = side(t + 2, f + 1, sg.H, sg.N, "keys");
     sg.v = side(t + 8, f + 11, sg.H, sg.N, "values");
     sg.row_stat = input<int>(t[14], "row_stat");
