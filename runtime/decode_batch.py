@@ -64,12 +64,15 @@ class DecodeBatch:
               scale: float, softcap: float | None) -> "DecodeBatch | None":
         """The batch, or None when a sequence's history is not read in place by the kernel."""
         pool = cache.pool
-        if (pool is None or not pool.keys.is_contiguous() or not pool.values.is_contiguous() or cache.window is not None or cache.shared_value_dim or cache.policy.tracks_attention_mass or pool.keys.device.type != "cpu" or pool.keys.dtype not in (torch.float32, torch.bfloat16)
-                or q.device.type != "cpu" or not cpu_decode.c_kernel_available() or len(set(seqs)) != len(seqs)
+        if (cache.window is not None or cache.shared_value_dim or cache.policy.tracks_attention_mass
+                or pool is None or pool.keys.device.type != "cpu" or q.device.type != "cpu"
+                or pool.keys.dtype not in (torch.float32, torch.bfloat16)
+                or not (pool.keys.is_contiguous() and pool.values.is_contiguous())
                 or (k.shape[1], k.shape[-1], v.shape[-1], k.dtype) != (pool.keys.shape[1], pool.keys.shape[-1],
-                                                                       pool.values.shape[-1], pool.keys.dtype)):
+                                                                       pool.values.shape[-1], pool.keys.dtype)
+                or len(set(seqs)) != len(seqs) or not cpu_decode.c_kernel_available()):
             return None
-        entries = [cache._sequences.get(seq) for seq in seqs]
+        entries = [cache.stored_state(seq) for seq in seqs]
         if any(entry is None or not entry.length or not entry.pages for entry in entries):
             return None
         batch, q_heads, _, head_dim = q.shape
@@ -131,7 +134,7 @@ class DecodeBatch:
         for b in due:
             self.cache.append_entry(self.entries[b], k[b], v[b])
         self.longest += 1
-        self.cache._longest = max(self.cache._longest, self.longest)
+        self.cache.reached(self.longest)
         if due:
             if self.cache.pool.keys is not self.pool_keys or not all(self._set_row(b) for b in due):
                 self.cache.write_back()  # the pool grew, or a sequence's history is no longer read in place

@@ -228,6 +228,10 @@ class LayerCache(Lifecycle):
         so kept as sequences grow instead of looking at each."""
         return self._longest
 
+    def reached(self, length: int) -> None:
+        """A sequence is `length` tokens long now (a decode batch's deferred counters say so)."""
+        self._longest = max(self._longest, length)
+
     def _entry(self, seq: int) -> SequenceKV:
         """Sequence `seq`'s state, made on first use (not `setdefault`: a SequenceKV is not free
         to build, and decode steps look one up in every layer)."""
@@ -262,7 +266,7 @@ class LayerCache(Lifecycle):
             entry.planned = {}
         if self.window is not None:
             self._drop_outside_window(entry)
-        self._longest = max(self._longest, entry.length)
+        self.reached(entry.length)
 
     def append_decode(self, seqs: list[int], key: torch.Tensor, value: torch.Tensor) -> None:
         """Append one token to each of the distinct sequences `seqs` (key/value [B, Hkv, 1, d]):
@@ -308,7 +312,7 @@ class LayerCache(Lifecycle):
             entry.pages[-1].tokens += 1
             entry.length += 1
             entry.final_length = entry.length
-            self._longest = max(self._longest, entry.length)
+            self.reached(entry.length)
         return rest
 
     # -- the lifecycle's hooks -----------------------------------------------------------------
