@@ -97,11 +97,13 @@ class DecodeBatch:
         entry = self.entries[b]
         if not self.args.set_row(b, entry_segments(self.cache, entry)):
             return False
-        page, size = entry.pages[-1], self.cache.config.page_size
+        page, size, head_dim = entry.pages[-1], self.cache.config.page_size, self.cache.pool.keys.shape[-1]
         room = size - page.tokens if page.slot is not None else 0
-        steps = 0  # in-place steps before the token that cannot land in place (LayerCache.write_in_place)
-        while steps < room and not self.cache.starts_epoch(entry, steps + 1, self.cache.pool.keys.shape[-1]):
-            steps += 1
+        # In-place steps before the token that cannot land in place (LayerCache.write_in_place). The
+        # k-th token starts an epoch iff appending k tokens at once would, and that only grows with k.
+        steps = room
+        if room and self.cache.starts_epoch(entry, room, head_dim):
+            steps = next(k for k in range(room) if self.cache.starts_epoch(entry, k + 1, head_dim))
         heads = self.next_rows.shape[1]
         self.next_rows[b] = ((page.slot or 0) * heads + torch.arange(heads)) * size + page.tokens
         self.due.setdefault(self.step_index + steps, []).append(b)

@@ -19,7 +19,7 @@ from kvtopo.runtime.lifecycle import Lifecycle
 
 HQ, HKV, D = 8, 2, 32
 SCALE = D**-0.5
-LENGTHS = (70, 45, 33)  # staggered: their pages fill on different steps
+LENGTHS = (70, 45, 20)  # staggered: their pages fill on different steps; the last enters Mid while decoding
 PAGE = 8
 CONFIGS = {
     "topo": dict(target_ratio=4.0),
@@ -102,6 +102,7 @@ def _count_steps(monkeypatch):
 def test_same_bits_and_store_as_the_per_sequence_path(name, dtype, softcap, monkeypatch):
     taken = _count_steps(monkeypatch)
     with _sessions(name, dtype) as (batched, twin):
+        assert batched.layers["l"].stored_state(2).mid is None  # its first Mid epoch starts in a step
         for q, k, v in _steps(3 * PAGE + 5, dtype):
             out = batched.attend("l", q, k, v, None, SCALE, softcap=softcap)
             ref = twin.attend("l", q, k, v, None, SCALE, softcap=softcap)
@@ -109,6 +110,7 @@ def test_same_bits_and_store_as_the_per_sequence_path(name, dtype, softcap, monk
         assert len(taken) == (3 * PAGE + 4 if name in TAKEN else 0)  # made at the second step
         if name in TAKEN:
             assert batched.layers["l"].decode_batch is not None
+        assert (batched.layers["l"].stored_state(2).mid is None) == (name == "lossless")
         _assert_same_store(batched, twin)
 
 
