@@ -187,7 +187,7 @@ def _kernel_partials(kernel, q: Tensor, segs: Sequence[DecodeSegments], coded: S
     def add(seg_tensors: list[Tensor], seg_ints: list[int]) -> None:
         tensors.extend(seg_tensors)
         ints.extend(seg_ints)
-        ints.append(_splits(seg_ints[0]))
+        ints.append(max(1, -(-seg_ints[0] // ROWS_PER_SPLIT)))
 
     present = [(kind, args, rows, width(segs[rows[0]])) for kind, width, args in _BATCH_WIDE
                if (rows := [b for b, s in enumerate(segs) if width(s)])]
@@ -220,11 +220,6 @@ def _kernel_partials(kernel, q: Tensor, segs: Sequence[DecodeSegments], coded: S
     return whole
 
 
-def _splits(rows: int) -> int:
-    """Work items of a segment of `rows` rows: splits of at most ROWS_PER_SPLIT (at least one)."""
-    return max(1, -(-rows // ROWS_PER_SPLIT))
-
-
 class BatchArguments:
     """The kernel's arguments for the decode steps of one batch of sequences, kept between steps
     (runtime/decode_batch.py): each sequence's segments as ``_kernel_partials`` gives them to the
@@ -238,7 +233,7 @@ class BatchArguments:
     are ``cpu_decode_batch``'s (the same bits). Only batch-wide segments are taken (exact pages
     read in place, Recent codes, an unprojected Mid): ``set_row`` refuses a sequence with others."""
 
-    EXACT_PAGES, NEW_TOKEN = 0, 1  # kinds: the pool's exact pages, a step's new token (``exact``)
+    NEW_TOKEN = 1  # the kind (``_BATCH_WIDE``'s "exact") a step's new token is read as
 
     def __init__(self, batch: int, kv_heads: int, group: int, head_dim: int, value_dim: int,
                  scale: float, softcap: float | None):
@@ -318,7 +313,6 @@ class BatchArguments:
         if new_tokens:  # their rows read as empty again
             self.lse[[self.NEW_TOKEN * self.batch + b for b, _, _ in new_tokens]] = -float("inf")
         return merged.view(self.batch, self.q_heads, -1)
-
 
 
 @functools.lru_cache(maxsize=16)

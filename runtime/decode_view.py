@@ -137,7 +137,8 @@ def decode_segments(cache: LayerCache, seq: int, k_new: Tensor | None = None, v_
 
 def entry_segments(cache: LayerCache, entry, k_new: Tensor | None = None, v_new: Tensor | None = None) -> DecodeSegments:
     """``decode_segments`` of a sequence's state (None: no history), read as it is: a decode
-    batch (runtime/decode_batch.py) builds its sequences' arguments here without settling."""
+    batch (runtime/decode_batch.py) builds its sequences' arguments here without being written
+    back."""
     ks, vs, paged = [], [], None
     view = _pages_view(cache, entry) if entry is not None and entry.pages else None
     if view is not None and entry.length and view.exact_slots is not None:  # read in place

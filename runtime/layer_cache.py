@@ -250,8 +250,8 @@ class LayerCache(Lifecycle):
         self.append_entry(self._entry(seq), key, value)
 
     def append_entry(self, entry: SequenceKV, key: torch.Tensor, value: torch.Tensor) -> None:
-        """`append` to a sequence's state (a decode batch appends its written-back sequences here,
-        without settling the others)."""
+        """`append` to a sequence's state (a decode batch appends its due sequences here, each
+        written back first, without writing back the others)."""
         n = key.shape[1]
         if n == 0:
             return

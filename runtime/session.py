@@ -233,8 +233,10 @@ class Session:
     def _attend_rows(self, cache: LayerCache, seqs: Sequence[int], q, k, v, scale: float, softcap: float | None,
                      sinks: torch.Tensor | None) -> torch.Tensor:
         """Attend q[i] [Hq, T, d] of sequence seqs[i] over [its history ; its chunk k[i], v[i]],
-        then store the chunks. Decode steps that can read the stored codes directly (C kernel on
-        CPU, Triton on CUDA) go together through one batched call; the other rows one by one."""
+        then store the chunks. A decode step of the same sequences as the layer's last one goes
+        through its ``DecodeBatch`` where that takes it (runtime/decode_batch.py); otherwise decode
+        steps that can read the stored codes directly (C kernel on CPU, Triton on CUDA) go
+        together through one batched call, and the other rows one by one."""
         if q.shape[2] == 1 and sinks is None:
             out = decode_step(cache, seqs, q, k, v, scale, softcap)
             if out is not None:
