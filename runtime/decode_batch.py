@@ -168,15 +168,11 @@ class DecodeBatch:
         entry, start = self.entries[b], self.synced_at[b]
         with torch.inference_mode(self.inference):
             if written_until > start:
-                entry.pages[-1].tokens += written_until - start
-                entry.length += written_until - start
-                entry.final_length = entry.length
+                self.cache.count_written(entry, written_until - start)
             if self.ring is not None and observed_until > start:
                 window = self.ring.shape[0]
-                steps = torch.arange(max(start, observed_until - window), observed_until)
-                positions = (entry.observed_oldest + steps - start) % window
-                entry.observation[:, positions] = self.ring[steps % window, b].transpose(0, 1)
-                entry.observed_oldest = (entry.observed_oldest + observed_until - start) % window
+                kept = torch.arange(max(start, observed_until - window), observed_until) % window
+                self.cache.observe_steps(entry, self.ring[kept, b].transpose(0, 1), observed_until - start)
         self.synced_at[b] = max(written_until, observed_until)
 
 

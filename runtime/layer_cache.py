@@ -309,11 +309,16 @@ class LayerCache(Lifecycle):
         self.pool.keys[slot, :, offset] = key[row, :, 0]
         self.pool.values[slot, :, offset] = value[row, :, 0]
         for entry in entries:
-            entry.pages[-1].tokens += 1
-            entry.length += 1
-            entry.final_length = entry.length
-            self.reached(entry.length)
+            self.count_written(entry, 1)
         return rest
+
+    def count_written(self, entry: SequenceKV, tokens: int) -> None:
+        """`tokens` decode tokens written into the sequence's Terminal page in place (by
+        `write_in_place`, or by a decode batch's one copy per step): all `append` would do for them."""
+        entry.pages[-1].tokens += tokens
+        entry.length += tokens
+        entry.final_length = entry.length
+        self.reached(entry.length)
 
     # -- the lifecycle's hooks -----------------------------------------------------------------
     def _new_page(self) -> Page:

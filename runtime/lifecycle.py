@@ -137,10 +137,7 @@ class Lifecycle:
         held = seq.observation
         if (queries.shape[1] == 1 and held is not None and held.shape[1] == window
                 and (not held.is_inference() or torch.is_inference_mode_enabled())):
-            # A decode step over a full window: its query replaces the oldest in place (one copy;
-            # every score sums over the window's queries, so their order is not needed).
-            held[:, seq.observed_oldest].copy_(queries[:, 0].detach())
-            seq.observed_oldest = (seq.observed_oldest + 1) % window
+            self.observe_steps(seq, queries.detach(), 1)
             return
         if queries.shape[1] > window:  # a prefill chunk, not a decode step
             chunk = observed_positions(CHUNK_QUERIES, queries.shape[0], kv_heads)
@@ -151,6 +148,21 @@ class Lifecycle:
             held = held.roll(-seq.observed_oldest, 1)  # oldest first again
             recent = torch.cat([held, recent], dim=1)[:, -window:]
         seq.observation, seq.observed_oldest = recent.clone(), 0
+
+    @staticmethod
+    def observe_steps(seq: SequenceState, queries: torch.Tensor, steps: int) -> None:
+        """`steps` decode steps' queries into a full window, as `observe` takes each: a step's
+        query replaces the oldest in place (every score sums over the window's queries, so their
+        order is not needed). `queries` [Hq, m, d]: the last m = min(steps, window) of them, in
+        order."""
+        window = seq.observation.shape[1]
+        if steps == 1:  # one copy
+            seq.observation[:, seq.observed_oldest].copy_(queries[:, 0])
+        else:
+            shown = queries.shape[1]
+            positions = (seq.observed_oldest + torch.arange(steps - shown, steps)) % window
+            seq.observation[:, positions] = queries
+        seq.observed_oldest = (seq.observed_oldest + steps) % window
 
     def start_append(self, seq: SequenceState, tokens: int, head_dim: int, chunk) -> None:
         """Before `tokens` new tokens (`chunk`, the executor's) are written: start the Mid epoch
