@@ -156,6 +156,8 @@ class Session:
             out[full] = self._attend_rows(cache, full, query[full], key[full], value[full], scale, softcap, sinks)
         for b in sorted(set(range(batch)) - set(full)):  # rows with padding: their real tokens only
             rows = valid[b].nonzero().squeeze(1)
+            if not rows.numel():  # padding only: nothing to attend or store, its output stays zero
+                continue
             one = slice(b, b + 1), slice(None), rows
             out[b, :, rows] = self._attend_rows(cache, [b], query[one], key[one], value[one], scale, softcap, sinks)[0]
         return out

@@ -119,3 +119,25 @@ def test_attend_sequences_batches_decode_rows_and_attends_new_ones_alone(monkeyp
         assert batched.stats().per_kind == alone.stats().per_kind
         with pytest.raises(ValueError, match="distinct sequence"):
             batched.attend_sequences("l", [7, 7, 3], *steps[0], SCALE)
+
+
+@pytest.mark.parametrize("name", ["topo", "kivi"])
+def test_a_row_of_padding_only_is_skipped(name):
+    """A decode step whose row b is all padding attends nothing for it and stores nothing: its
+    output is zero (as a lossless session's), the other rows are the twin's, and b's history is
+    unchanged, compressed or not."""
+    prompt, steps = _data(seed=2)
+    q, k, v = steps[0]
+    with kvtopo.session(_config(name)) as padded, kvtopo.session(_config(name)) as twin:
+        for s in (padded, twin):
+            s.attend("l", *prompt, None, SCALE)
+        assert padded.layers["l"].sequences[1].mid.tokens  # row 1's history is compressed
+        before = padded.stats().tokens
+        valid = torch.tensor([[True], [False], [True]])
+        with padded.step(valid):
+            out = padded.attend("l", q, k, v, None, SCALE)
+        expected = twin.attend("l", q, k, v, None, SCALE)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        for b in (0, 2):
+            torch.testing.assert_close(out[b], expected[b], rtol=1e-5, atol=1e-6)
+        assert padded.stats().tokens == (before[0] + 1, before[1], before[2] + 1)
