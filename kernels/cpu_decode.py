@@ -78,10 +78,11 @@ def mid_kernel():
         return _build()
 
 
-def build_kernel(source: Path | None = None, name: str = "kvtopo_mid_decode"):
+def build_kernel(source: Path | None = None, name: str = "kvtopo_mid_decode", cflags: Sequence[str] = CFLAGS):
     """Compile and load a kernel source (None: `SOURCE`) as a module; `name` (suffixed by the CPU's
     identity) is its build directory and module name. Raises when the build fails.
-    bench/kernel_ab.py builds other revisions of the source with it."""
+    bench/kernel_ab.py builds other revisions of the source with it; kernels/quant.py its own
+    source, with IEEE flags."""
     from torch.utils import cpp_extension
 
     source = SOURCE if source is None else source
@@ -93,7 +94,7 @@ def build_kernel(source: Path | None = None, name: str = "kvtopo_mid_decode"):
     openmp = ["-fopenmp"] if torch._C.has_openmp else []
     # cpp_extension rebuilds when the source or flags change; the name separates CPUs.
     return cpp_extension.load(name=f"{name}_{_cpu_identity()}", sources=[str(source)],
-                              extra_cflags=CFLAGS + openmp, extra_ldflags=ldflags + openmp)
+                              extra_cflags=list(cflags) + openmp, extra_ldflags=ldflags + openmp)
 
 
 @functools.cache

@@ -33,12 +33,22 @@ first code in the low bits; a last byte that is only partly used is zero-padded.
 
 from __future__ import annotations
 
+import functools
+import os
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 SUPPORTED_BITS = (2, 4, 8)
+
+# `quantize` in one C call (csrc/quantize.cpp), for the store: a page move's four small tensors
+# cost ~40 torch ops each here. IEEE flags (no fast-math, no contraction), so its codes and
+# statistics are this module's bits; exported graphs trace the torch version.
+C_SOURCE = Path(__file__).with_name("csrc") / "quantize.cpp"
+C_FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
 
 @dataclass(frozen=True, eq=False)
 class Quantized:
@@ -144,6 +154,9 @@ def quantize(x: Tensor, bits: int, reduce_dim: int) -> Quantized:
     is beyond float16's range, then float32 for the whole tensor (see the module docstring).
     """
     x = _checked(x, bits, reduce_dim)
+    coded = _in_c(x, bits, reduce_dim)
+    if coded is not None:
+        return coded
     lo = x.amin(dim=reduce_dim, keepdim=True)
     hi = x.amax(dim=reduce_dim, keepdim=True)
     return _encode(x, lo, hi, bits, torch.float16 if float16_holds(lo, hi).item() else torch.float32)
@@ -159,11 +172,41 @@ def quantize_float16(x: Tensor, bits: int, reduce_dim: int, valid: Tensor | None
     outside it are padding, left out of the statistics (their codes mean nothing).
     """
     x = _checked(x, bits, reduce_dim)
+    coded = _in_c(x, bits, reduce_dim) if valid is None else None
+    if coded is not None:
+        return coded if coded.scale.dtype == torch.float16 else None
     lo = (x if valid is None else x.masked_fill(~valid, float("inf"))).amin(dim=reduce_dim, keepdim=True)
     hi = (x if valid is None else x.masked_fill(~valid, -float("inf"))).amax(dim=reduce_dim, keepdim=True)
     if not float16_holds(lo, hi).item():
         return None
     return _encode(x, lo, hi, bits, torch.float16)
+
+
+@functools.cache
+def _c_quantize():
+    """The C `quantize`, or None: KVTOPO_NO_CKERNEL set, or the build failed (warned once)."""
+    if os.environ.get("KVTOPO_NO_CKERNEL"):
+        return None
+    from .cpu_decode import build_kernel  # it imports this module
+
+    try:
+        return build_kernel(C_SOURCE, "kvtopo_quantize", C_FLAGS).quantize
+    except (OSError, RuntimeError, ImportError) as error:
+        warnings.warn(f"kvtopo: building {C_SOURCE.name} failed, so pages are quantized by torch ops "
+                      f"(slower, same result):\n{error}", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _in_c(x: Tensor, bits: int, reduce_dim: int) -> Quantized | None:
+    """`quantize` of float32 `x` by the C version, where it applies (a CPU tensor outside autograd,
+    every value finite); None otherwise."""
+    if x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()) or _c_quantize() is None:
+        return None
+    coded = _c_quantize()(x.contiguous(), bits, reduce_dim % x.dim())
+    if coded is None:
+        return None
+    codes, scale, offset = coded
+    return Quantized(codes=codes, scale=scale, offset=offset, bits=bits, length=x.shape[-1])
 
 
 def _checked(x: Tensor, bits: int, reduce_dim: int) -> Tensor:
