@@ -21,6 +21,7 @@ from kvtopo.kernels.compressed_attention import LowRankHeads
 from kvtopo.kernels.directions import principal_basis
 from kvtopo.kernels.quant import Quantized, dequantize, quantize, quantize_float16
 
+from .page_pool import updatable
 from .policies.base import MidEncoding
 
 
@@ -163,13 +164,16 @@ class GrowingRows:
     def append(self, rows: torch.Tensor) -> None:
         if self._buffer is not None and self._buffer.dtype != rows.dtype:
             wide = torch.promote_types(self._buffer.dtype, rows.dtype)
-            self._buffer, rows = self._buffer.to(wide), rows.to(wide)
+            with updatable():
+                self._buffer = self._buffer.to(wide)
+            rows = rows.to(wide)
         needed = self.length + rows.shape[0]
         if self._buffer is None or needed > self._buffer.shape[0]:
             capacity = max(needed, 0 if self._buffer is None else self._buffer.shape[0] * 9 // 8)
-            grown = rows.new_empty(capacity, *rows.shape[1:])
-            if self.length:
-                grown[: self.length] = self._buffer[: self.length]
+            with updatable():
+                grown = rows.new_empty(capacity, *rows.shape[1:])
+                if self.length:
+                    grown[: self.length] = self._buffer[: self.length]
             self._buffer = grown
         self._buffer[self.length: needed] = rows
         self.length = needed

@@ -13,6 +13,14 @@ from __future__ import annotations
 import torch
 
 
+def updatable():
+    """The mode a store buffer that is written in place is allocated in: outside inference mode.
+    A session may be stepped under `torch.inference_mode()` and then `torch.no_grad()` (or the
+    other way): inference mode may update normal tensors in place, but no other mode may update
+    an inference tensor."""
+    return torch.inference_mode(False)
+
+
 class PoolExhausted(RuntimeError):
     """The pool is at its page limit and every page is live."""
 
@@ -38,8 +46,9 @@ class PagePool:
         self.page_size = page_size
         self.max_pages = max_pages
         self.grow_by = grow_by
-        self.keys = torch.empty(0, kv_heads, page_size, key_dim, dtype=dtype, device=device)
-        self.values = torch.empty(0, kv_heads, page_size, value_dim, dtype=dtype, device=device)
+        with updatable():
+            self.keys = torch.empty(0, kv_heads, page_size, key_dim, dtype=dtype, device=device)
+            self.values = torch.empty(0, kv_heads, page_size, value_dim, dtype=dtype, device=device)
         # One slot's bytes, from the shapes (right before the first slot exists too); a plain
         # attribute, as the store's accounting reads it for every exact page.
         self.page_nbytes = kv_heads * page_size * (key_dim + value_dim) * dtype.itemsize
@@ -95,7 +104,8 @@ class PagePool:
         grow = new - old
         if self.spare is not None:
             self.spare -= grow - need
-        self.keys = torch.cat([self.keys, self.keys.new_empty(grow, *self.keys.shape[1:])])
-        self.values = torch.cat([self.values, self.values.new_empty(grow, *self.values.shape[1:])])
+        with updatable():
+            self.keys = torch.cat([self.keys, self.keys.new_empty(grow, *self.keys.shape[1:])])
+            self.values = torch.cat([self.values, self.values.new_empty(grow, *self.values.shape[1:])])
         # Pop order: lowest free slot first.
         self._free.extend(reversed(range(old, new)))

@@ -178,3 +178,24 @@ def test_python_runs_only_for_the_sequences_that_move_pages(monkeypatch):
             assert sorted(calls) == sorted(["entry_segments", "append_entry"] * moved)
             kinds.append(moved)
         assert 0 in kinds and max(kinds) >= 1  # steps without moves and steps with
+
+
+@pytest.mark.parametrize("name", ["topo", "kivi", "lossless"])
+def test_steps_switching_between_inference_mode_and_no_grad(name):
+    """A session stepped under `torch.inference_mode()` and `torch.no_grad()` in turns (three
+    steps each) grows its pool and Mid buffers under both: it keeps writing them (buffers the
+    store updates in place are never inference tensors) and computes what a twin stepped under
+    no_grad alone computes, bit for bit, on the per-sequence path."""
+    with _sessions(name, torch.float32) as (batched, twin):
+        grown = set()
+        for i, (q, k, v) in enumerate(_steps(6 * PAGE, torch.float32)):
+            capacity, mid = batched.layers["l"].pool.capacity, batched.layers["l"].stored_state(2).mid
+            with torch.inference_mode() if i // 3 % 2 else torch.no_grad():
+                out = batched.attend("l", q, k, v, None, SCALE)
+            with torch.no_grad():
+                assert torch.equal(out, twin.attend("l", q, k, v, None, SCALE))
+            entered = mid is None or mid.keys.count < batched.layers["l"].stored_state(2).mid.keys.count
+            if batched.layers["l"].pool.capacity > capacity or (name != "lossless" and entered):
+                grown.add(i // 3 % 2)
+        assert grown == {0, 1}  # storage grew in both modes
+        _assert_same_store(batched, twin)
