@@ -48,8 +48,12 @@ STAGGER = 7  # tokens between neighbouring sequences' lengths
 
 
 class _NullKernel:
-    """The C kernel's two entry points doing nothing (merged output zeros): the step's Python
-    alone. The store does not read attention outputs, so the steps still move the same pages."""
+    """The C kernel's attention and merge doing nothing (merged output zeros): the step's Python
+    alone. The store does not read attention outputs, so the steps still move the same pages.
+    A decode batch's writes (`begin_step`: tokens into the pool, counts, scaled queries) are the
+    store's work, so they run in the real kernel."""
+
+    real = None
 
     def decode_segments(self, tensors, ints, threads, softcap) -> None:
         pass
@@ -57,10 +61,14 @@ class _NullKernel:
     def merge_parts(self, outs, lses, first, merged) -> None:
         merged.zero_()
 
+    def begin_step(self, *args) -> None:
+        self.real.begin_step(*args)
+
 
 @contextlib.contextmanager
 def kernel_replaced():
     real = cpu_decode.mid_kernel
+    _NullKernel.real = real()
     cpu_decode.mid_kernel = _NullKernel
     try:
         yield

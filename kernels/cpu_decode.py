@@ -300,19 +300,32 @@ class BatchArguments:
         `new_tokens` that token (key/value [Hkv, 1, d]: a sequence whose token is not stored yet)
         -> [B, Hq, dv] float32."""
         self.qs.copy_(q.reshape(self.qs.shape)).mul_(self.scale)
-        tensors, ints = self.tensors, self.ints.tolist()
-        if new_tokens:
-            tensors = list(tensors)
-            for b, key, value in new_tokens:
-                seg_tensors, seg_ints = _exact_args(self.qs_rows[b], self.zero_rows[b], (key, value),
-                                                    self.out_rows[self.batch + b], self.lse_rows[self.batch + b])
-                tensors += seg_tensors
-                ints += seg_ints + [-ROWS_PER_SPLIT]
+        if not new_tokens:
+            return self._attend(self.tensors, self.ints)
+        tensors, ints = list(self.tensors), self.ints.tolist()
+        for b, key, value in new_tokens:
+            seg_tensors, seg_ints = _exact_args(self.qs_rows[b], self.zero_rows[b], (key, value),
+                                                self.out_rows[self.batch + b], self.lse_rows[self.batch + b])
+            tensors += seg_tensors
+            ints += seg_ints + [-ROWS_PER_SPLIT]
+        merged = self._attend(tensors, ints)
+        self.lse[[self.NEW_TOKEN * self.batch + b for b, _, _ in new_tokens]] = -float("inf")  # empty again
+        return merged
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, pool_rows: tuple[Tensor, Tensor], next_rows: Tensor,
+             ring: Tensor | None) -> Tensor:
+        """A step in which every sequence's token lands in place (q [B, Hq, 1, d], k/v [B, Hkv, 1,
+        d], last dimensions contiguous): one kernel call writes the tokens into the pool rows
+        `next_rows` [B, Hkv] of `pool_rows` ([rows, d] each) and advances them, advances the
+        exact counts (`advance`), scales q and keeps it in `ring` [B, Hq, d] float16 if given;
+        then `attend` -> [B, Hq, dv] float32."""
+        self.kernel.begin_step(q, self.scale, self.qs, k, v, *pool_rows, next_rows, self.ints, self.exact_at, ring)
+        return self._attend(self.tensors, self.ints)
+
+    def _attend(self, tensors: list[Tensor], ints: Tensor | list[int]) -> Tensor:
         self.kernel.decode_segments(tensors, ints, torch.get_num_threads(), self.softcap)
         merged = self.out.new_empty(self.batch * self.q_heads, self.out.shape[-1])
         self.kernel.merge_parts(*self.parts, merged)
-        if new_tokens:  # their rows read as empty again
-            self.lse[[self.NEW_TOKEN * self.batch + b for b, _, _ in new_tokens]] = -float("inf")
         return merged.view(self.batch, self.q_heads, -1)
 
 

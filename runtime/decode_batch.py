@@ -2,11 +2,13 @@
 
 Most decode steps move no page: each sequence's token lands in its Terminal page (31 steps in 32
 at page size 32), so its kernel arguments stay what they were, but for one more exact row.
-``DecodeBatch`` keeps the batch's kernel arguments between steps (``BatchArguments``), writes
-the batch's tokens into the pool with one indexed copy, keeps the steps' queries for the
-observation windows in one ring, and defers each sequence's counters (its Terminal page's
-tokens, its length, its window's queries) until the sequence moves a page or something else
-reads the store (``LayerCache.write_back``, called by every other reader and writer).
+``DecodeBatch`` keeps the batch's kernel arguments between steps (``BatchArguments``) and the
+steps' queries for the observation windows in one ring; in a step where no sequence is due, one
+kernel call writes the batch's tokens into the pool, advances the exact counts, scales the
+queries and keeps them in the ring (``BatchArguments.step``), then the batch is attended. Each
+sequence's counters (its Terminal page's tokens, its length, its window's queries) are deferred
+until the sequence moves a page or something else reads the store (``LayerCache.write_back``,
+called by every other reader and writer).
 
 A sequence whose token cannot land in place (its Terminal page is full, or the token starts a
 Mid epoch) is due at a step known when its arguments are built. At that step it is attended
@@ -114,22 +116,26 @@ class DecodeBatch:
         """One decode step: q [B, Hq, 1, d], k/v [B, Hkv, 1, d] -> [B, Hq, 1, dv] in q's dtype."""
         index = self.step_index
         due = self.due.pop(index, [])
-        rows = None
-        if due:
-            keep = self.every_row.clone()
-            keep[due] = False
-            rows = keep.nonzero().squeeze(1)
-        if rows is None:
-            self._write(self.next_rows, k, v)
-            self.next_rows += 1
-            self.args.advance()
-        elif rows.numel():
-            self._write(self.next_rows[rows], k[rows], v[rows])
-            self.next_rows[rows] += 1
-            self.args.advance(rows)
-        out = self.args.attend(q[:, :, 0], [(b, k[b], v[b]) for b in due])
-        if self.ring is not None:
-            self.ring[index % self.ring.shape[0]].copy_(q[:, :, 0])
+        ring = None if self.ring is None else self.ring[index % self.ring.shape[0]]
+        if not due and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:  # the writes in the kernel's call
+            out = self.args.step(q, k, v, self.pool_rows, self.next_rows, ring)
+        else:
+            rows = None
+            if due:
+                keep = self.every_row.clone()
+                keep[due] = False
+                rows = keep.nonzero().squeeze(1)
+            if rows is None:
+                self._write(self.next_rows, k, v)
+                self.next_rows += 1
+                self.args.advance()
+            elif rows.numel():
+                self._write(self.next_rows[rows], k[rows], v[rows])
+                self.next_rows[rows] += 1
+                self.args.advance(rows)
+            out = self.args.attend(q[:, :, 0], [(b, k[b], v[b]) for b in due])
+            if ring is not None:
+                ring.copy_(q[:, :, 0])
         self.step_index = index + 1
         for b in due:  # written back first, so that an append that raises leaves every count right
             self._write_back(b, written_until=index, observed_until=index + 1)

@@ -12,6 +12,7 @@
 // per vector expf) and the key dots of heads of 128 columns (16 columns per vector).
 // Measured slower and not used: 16-wide dots of shorter heads (64 columns: 2-5% slower; the 8x
 // coding's rank 22), 16-wide unpacking of 8-bit codes.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor (lighter than torch/extension.h)
 
@@ -24,6 +25,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -630,10 +632,9 @@ static Segment segment(const at::Tensor *t, const int64_t *f) {
 // Every split of every segment of a decode batch: work items are (segment, split of rows), all
 // kv-heads of a split at once; `threads` workers, on torch's intra-op threads, take contiguous
 // runs of items holding about equal numbers of rows; then each segment's splits are merged. cap: logit softcap, 0 for none.
-void decode_segments(const std::vector<at::Tensor> &tensors, const std::vector<int64_t> &ints, int64_t threads,
-                     double cap) {
-    TORCH_CHECK(tensors.size() % SEGMENT_TENSORS == 0 &&
-                    ints.size() * SEGMENT_TENSORS == tensors.size() * SEGMENT_INTS,
+static void attend_segments(const std::vector<at::Tensor> &tensors, const int64_t *ints, size_t n_ints,
+                            int64_t threads, double cap) {
+    TORCH_CHECK(tensors.size() % SEGMENT_TENSORS == 0 && n_ints * SEGMENT_TENSORS == tensors.size() * SEGMENT_INTS,
                 "17 tensors and 22 ints per segment");
     std::vector<Segment> segs;
     for (size_t i = 0; i * SEGMENT_TENSORS < tensors.size(); ++i)
@@ -665,6 +666,18 @@ void decode_segments(const std::vector<at::Tensor> &tensors, const std::vector<i
         for (int64_t wk = begin; wk < end; ++wk) run((int)wk);
     });
     for (Segment &sg : segs) merge_splits(sg);
+}
+
+void decode_segments(const std::vector<at::Tensor> &tensors, const std::vector<int64_t> &ints, int64_t threads,
+                     double cap) {
+    attend_segments(tensors, ints.data(), ints.size(), threads, cap);
+}
+
+// The same, the ints as a contiguous int64 tensor (a decode batch keeps them in one).
+void decode_segments_held(const std::vector<at::Tensor> &tensors, const at::Tensor &ints, int64_t threads,
+                          double cap) {
+    TORCH_CHECK(ints.scalar_type() == at::kLong && ints.is_contiguous() && ints.dim() == 1, "ints: int64 [n]");
+    attend_segments(tensors, ints.const_data_ptr<int64_t>(), (size_t)ints.numel(), threads, cap);
 }
 
 // The partial results of a decode batch merged by log-sum-exp into merged [R, dv] (R = batch *
@@ -708,7 +721,79 @@ void merge_parts(const std::vector<at::Tensor> &outs, const std::vector<at::Tens
         }
 }
 
+// Where token (b, h, 0, :) of a [B, H, 1, C] tensor with a contiguous last dimension starts, as
+// T (elements of `size` T each: bytes of any dtype as char).
+template <typename T>
+static const T *token(const at::Tensor &t, int64_t b, int64_t h, int64_t size = 1) {
+    return static_cast<const T *>(t.const_data_ptr()) + (b * t.stride(0) + h * t.stride(1)) * size;
+}
+
+// The writes of a decode step of a batch whose every sequence's token lands in place
+// (runtime/decode_batch.py `DecodeBatch.step`), in one call in place of ~12 small torch ops: each
+// sequence's new key and value (k, v [B, Hkv, 1, d]) copied into its Terminal page's next pool
+// rows (row next_rows[b, h] of pool_k / pool_v [rows, d], then advanced), its exact count
+// ints[exact_at[b]] advanced, and its query (q [B, Hq, 1, d]) scaled into qs [B, Hq, d] float32
+// and, when `ring` is given, kept in it as float16 [B, Hq, d]. The same conversions as the torch
+// ops it replaces: float32(q) * float32(scale); float16 rounded to nearest even.
+void begin_step(const at::Tensor &q, double scale, at::Tensor qs, const at::Tensor &k, const at::Tensor &v,
+                at::Tensor pool_k, at::Tensor pool_v, at::Tensor next_rows, at::Tensor ints,
+                const at::Tensor &exact_at, std::optional<at::Tensor> ring) {
+    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1 && k.size(2) == 1 && v.size(2) == 1,
+                "q [B, Hq, 1, d], k and v [B, Hkv, 1, d]");
+    const int64_t B = q.size(0), Hq = q.size(1), d = q.size(3), Hkv = k.size(1);
+    TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv, "q, k and v of one batch and k, v of one head count");
+    TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "q, k and v need a contiguous last dimension");
+    TORCH_CHECK(k.scalar_type() == pool_k.scalar_type() && v.scalar_type() == pool_v.scalar_type() &&
+                    pool_k.is_contiguous() && pool_v.is_contiguous() && pool_k.dim() == 2 && pool_v.dim() == 2 &&
+                    pool_k.size(1) == k.size(3) && pool_v.size(1) == v.size(3),
+                "pool rows [rows, d] of the tokens' dtype");
+    TORCH_CHECK(next_rows.scalar_type() == at::kLong && next_rows.is_contiguous() && next_rows.numel() == B * Hkv &&
+                    exact_at.scalar_type() == at::kLong && exact_at.is_contiguous() && exact_at.numel() == B &&
+                    ints.scalar_type() == at::kLong && ints.is_contiguous(),
+                "next_rows [B, Hkv], exact_at [B] and ints: contiguous int64");
+    float *scaled = const_cast<float *>(input<float>(qs, "qs"));
+    TORCH_CHECK(qs.numel() == B * Hq * d, "qs holds [B, Hq, d]");
+    at::Half *kept = nullptr;
+    if (ring) {
+        TORCH_CHECK(ring->scalar_type() == at::kHalf && ring->is_contiguous() && ring->numel() == B * Hq * d,
+                    "ring: float16 [B, Hq, d]");
+        kept = ring->data_ptr<at::Half>();
+    }
+    int64_t *rows = next_rows.data_ptr<int64_t>(), *counts = ints.data_ptr<int64_t>();
+    const int64_t *at = exact_at.const_data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {  // every index checked before anything is written
+        TORCH_CHECK(at[b] >= 0 && at[b] < ints.numel(), "an exact count outside ints");
+        for (int64_t h = 0; h < Hkv; ++h)
+            TORCH_CHECK(rows[b * Hkv + h] >= 0 && rows[b * Hkv + h] < std::min(pool_k.size(0), pool_v.size(0)),
+                        "a token's row outside the pool");
+    }
+    const int64_t ksize = k.size(3) * k.element_size(), vsize = v.size(3) * v.element_size();
+    for (int64_t b = 0; b < B; ++b) {
+        for (int64_t h = 0; h < Hkv; ++h) {
+            int64_t &row = rows[b * Hkv + h];
+            memcpy((char *)pool_k.data_ptr() + row * ksize, token<char>(k, b, h, k.element_size()), ksize);
+            memcpy((char *)pool_v.data_ptr() + row * vsize, token<char>(v, b, h, v.element_size()), vsize);
+            ++row;
+        }
+        ++counts[at[b]];
+    }
+    const float s = (float)scale;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "begin_step", [&] {
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t h = 0; h < Hq; ++h) {
+                const scalar_t *src = token<scalar_t>(q, b, h);
+                float *dst = scaled + (b * Hq + h) * d;
+                for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<float>(src[c]) * s;
+                if (kept)
+                    for (int64_t c = 0; c < d; ++c) kept[(b * Hq + h) * d + c] = at::Half(static_cast<float>(src[c]));
+            }
+    });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("begin_step", &begin_step, "A decode batch's step: its tokens written, counts advanced, queries scaled");
+    // The tensor overload first: pybind would take a tensor as a sequence of ints, element by element.
+    m.def("decode_segments", &decode_segments_held, "decode_segments with its ints in an int64 tensor");
     m.def("decode_segments", &decode_segments, "Fused decode attention over a batch of quantized segments");
     m.def("merge_parts", &merge_parts, "Log-sum-exp merge of a decode batch's partial results");
 }

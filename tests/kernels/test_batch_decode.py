@@ -188,3 +188,33 @@ def test_float16_statistics_are_read_as_their_float32_values(softcap):
     assert torch.equal(out, fast_decode.decode_attention_batch(q, _with_statistics(segs, torch.float32), scale,
                                                                softcap=softcap))
     _check_rows(q, half, out, scale, softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_begin_step_equals_its_torch_ops(dtype):
+    """``begin_step`` (a decode batch's writes in one call) against the torch ops it replaces:
+    tokens copied into pool rows, rows and counts advanced, the query scaled into float32 and
+    kept as float16, bit for bit; a row outside the pool is refused before anything is written."""
+    kernel = cpu_decode.mid_kernel()
+    gen = torch.Generator().manual_seed(3)
+    B, hq, hkv, d, rows = 3, 6, 2, 16, 40
+    q = torch.randn(B, 1, hq, d, generator=gen).to(dtype).transpose(1, 2)  # as a model hands it: strided
+    k, v = (torch.randn(B, 1, hkv, d, generator=gen).to(dtype).transpose(1, 2) for _ in range(2))
+    pool_k, pool_v = (torch.randn(rows, d, generator=gen).to(dtype) for _ in range(2))
+    next_rows = torch.tensor([[0, 7], [12, 30], [39, 5]])
+    ints, exact_at = torch.tensor([4, 9, 2, 8, 1]), torch.tensor([0, 3, 4])
+    qs, ring, scale = torch.empty(B, hq, d), torch.empty(B, hq, d, dtype=torch.float16), 0.3
+    want_k, want_v, want_ints = pool_k.clone(), pool_v.clone(), ints.clone()
+    want_k.index_copy_(0, next_rows.reshape(-1), k.reshape(B * hkv, d))
+    want_v.index_copy_(0, next_rows.reshape(-1), v.reshape(B * hkv, d))
+    want_ints.index_add_(0, exact_at, torch.ones(B, dtype=torch.long))
+    want_qs = torch.empty(B, hq, d).copy_(q[:, :, 0]).mul_(scale)
+    want_ring = torch.empty_like(ring).copy_(q[:, :, 0])
+    kernel.begin_step(q, scale, qs, k, v, pool_k, pool_v, next_rows, ints, exact_at, ring)
+    for got, want in ((pool_k, want_k), (pool_v, want_v), (ints, want_ints), (qs, want_qs), (ring, want_ring)):
+        assert torch.equal(got, want)
+    assert torch.equal(next_rows, torch.tensor([[1, 8], [13, 31], [40, 6]]))
+    before = pool_k.clone(), pool_v.clone(), ints.clone()
+    with pytest.raises(RuntimeError, match="outside the pool"):  # row 40 of 40
+        kernel.begin_step(q, scale, qs, k, v, pool_k, pool_v, next_rows, ints, exact_at, None)
+    assert all(torch.equal(a, b) for a, b in zip((pool_k, pool_v, ints), before))
