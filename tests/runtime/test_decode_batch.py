@@ -199,3 +199,20 @@ def test_steps_switching_between_inference_mode_and_no_grad(name):
                 grown.add(i // 3 % 2)
         assert grown == {0, 1}  # storage grew in both modes
         _assert_same_store(batched, twin)
+
+
+def test_inputs_with_a_strided_last_dimension(monkeypatch):
+    """q/k/v whose last dimension is not contiguous (every other element of a wider tensor): the
+    kernel's one-call writes (`begin_step`) do not take them, the step's torch ops do; the same
+    bits and store as the twin."""
+    calls = []
+    real = decode_batch_mod.BatchArguments.step
+    monkeypatch.setattr(decode_batch_mod.BatchArguments, "step", lambda self, *a: calls.append(1) or real(self, *a))
+    g = torch.Generator().manual_seed(5)
+    with _sessions("topo", torch.float32) as (batched, twin):
+        for _ in range(2 * PAGE):
+            q, k, v = (torch.randn(len(LENGTHS), h, 1, 2 * D, generator=g)[..., ::2] for h in (HQ, HKV, HKV))
+            assert q.stride(-1) == 2
+            assert torch.equal(batched.attend("l", q, k, v, None, SCALE), twin.attend("l", q, k, v, None, SCALE))
+        assert batched.layers["l"].decode_batch is not None and not calls
+        _assert_same_store(batched, twin)
