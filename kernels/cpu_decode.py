@@ -258,7 +258,9 @@ class BatchArguments:
         self.ints = torch.zeros(0, dtype=torch.long)
         self.exact_at = torch.zeros(batch, dtype=torch.long)  # where each exact-page count lies in ints
         self._ones = torch.ones(batch, dtype=torch.long)
-        self._set = torch.zeros(batch, dtype=torch.bool)  # rows set since the last flatten
+        self._set: set[int] = set()  # rows set since the last flatten
+        self._tensor_at: list[int] = []  # where each row's tensors start in `tensors` (and the last ends)
+        self._ints_at: list[int] = []  # where each row's ints start in `ints` (and the last ends)
 
     def set_row(self, b: int, segs: DecodeSegments) -> bool:
         """Sequence b's segments (its new token not among them); False, and nothing changed, when
@@ -276,19 +278,30 @@ class BatchArguments:
             else:
                 self.lse_rows[k * self.batch + b].fill_(-float("inf"))
         self.row_tensors[b], self.row_ints[b] = tensors, ints
-        self._set[b] = True
+        self._set.add(b)
         return True
 
     def flatten(self) -> None:
         """The rows' arguments as the one list the kernel takes (after ``set_row``); the rows not
-        set since the last call keep the exact counts ``advance`` brought them to."""
-        ints, at, kept = self.ints, self.exact_at, ~self._set
+        set since the last call keep the exact counts ``advance`` brought them to. A set row whose
+        arguments kept their length (its page moved, its segments' kinds did not change) is
+        replaced in place, so a step that moves one sequence's page costs that sequence alone."""
+        set_rows, self._set = sorted(self._set), set()
+        if self.tensors and all(len(self.row_tensors[b]) == self._tensor_at[b + 1] - self._tensor_at[b]
+                                and len(self.row_ints[b]) == self._ints_at[b + 1] - self._ints_at[b] for b in set_rows):
+            for b in set_rows:
+                self.tensors[self._tensor_at[b]: self._tensor_at[b + 1]] = self.row_tensors[b]
+                self.ints[self._ints_at[b]: self._ints_at[b + 1]] = torch.tensor(self.row_ints[b])
+            return
+        ints, at = self.ints, self.exact_at
+        kept = torch.tensor([b for b in range(self.batch) if b not in set_rows], dtype=torch.long)
         self.tensors = list(itertools.chain.from_iterable(self.row_tensors))
         self.ints = torch.tensor(list(itertools.chain.from_iterable(self.row_ints)), dtype=torch.long)
-        self.exact_at = torch.tensor([0, *itertools.accumulate(map(len, self.row_ints[:-1]))], dtype=torch.long)
+        self._tensor_at = [0, *itertools.accumulate(map(len, self.row_tensors))]
+        self._ints_at = [0, *itertools.accumulate(map(len, self.row_ints))]
+        self.exact_at = torch.tensor(self._ints_at[:-1], dtype=torch.long)
         if ints.numel():
             self.ints[self.exact_at[kept]] = ints[at[kept]]
-        self._set.zero_()
 
     def advance(self, rows: Tensor | None = None) -> None:
         """One more exact token for the sequences `rows` (None: every sequence)."""
