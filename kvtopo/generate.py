@@ -122,10 +122,6 @@ def generate(
                           f"compressed; generating with the model's own cache instead ({refused})", stacklevel=2)
             forward = _UncompressedForward(model)
             logits = _prefill(forward, input_ids, positions, mask, prompt, bar)
-        else:
-            if session.calls == calls_before:
-                raise RuntimeError("no kvtopo attention ran during prefill: compile the model with "
-                                   "backend='kvtopo' (kvtopo.compile(model)) before kvtopo.generate")
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         last_pos = positions[:, -1]
         all_valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
@@ -330,8 +326,16 @@ class _SessionForward:
 
     def __call__(self, ids, positions, valid) -> torch.Tensor:
         padding = {} if bool(valid.all()) else {"attention_mask": valid.long()}
+        calls = self.session.calls
         with self.session.step(valid):
-            return _last_logits(self.model(input_ids=ids, position_ids=positions, use_cache=False, **padding))
+            logits = _last_logits(self.model(input_ids=ids, position_ids=positions, use_cache=False, **padding))
+        if self.session.calls == calls:  # the model saw these tokens alone, without their history
+            raise RuntimeError(
+                f"kvtopo.generate: a forward of {ids.shape[1]} token(s) ran no kvtopo attention. Compile the model "
+                "with backend='kvtopo' (kvtopo.compile(model)) before kvtopo.generate; a compiled model also runs "
+                "eagerly when torch._dynamo gives up on it (e.g. torch._dynamo.config.recompile_limit reached, "
+                "the limit shared by the frames of every model compiled in this process)")
+        return logits
 
 
 class _UncompressedForward:

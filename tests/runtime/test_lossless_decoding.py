@@ -76,3 +76,23 @@ def test_right_padding_is_rejected():
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
     with pytest.raises(ValueError, match="left-padded"):
         kvtopo.generate(compiled, ids, 2, attention_mask=mask)
+
+
+def test_a_forward_that_runs_without_kvtopo_attention_raises():
+    """When torch._dynamo gives up on the compiled model (here: its recompile limit, which every
+    model compiled in a process shares, reached at the first decode step's new shape), the model
+    runs eagerly over the new token alone. kvtopo.generate raises instead of decoding without the
+    history."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            compiled = kvtopo.compile(zoo.build("llama"), inductor=False)
+            ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+            with kvtopo.session(kvtopo.Config.lossless()) as s:
+                with pytest.raises(RuntimeError, match="ran no kvtopo attention.*recompile_limit"):
+                    kvtopo.generate(compiled, ids, 10)
+                assert s.calls > 0  # the prefill ran through the session
+    finally:
+        torch._dynamo.reset()
