@@ -137,15 +137,22 @@ def ancestor_nodes(roots, limit: int | None = None) -> set[fx.Node]:
     return seen
 
 
+_EMBEDDING = (torch.nn.functional.embedding, torch.embedding)
+
+
 def model_key(graph: fx.Graph) -> fx.Node | None:
-    """The graph's first parameter input: the kvtopo ops take it so that a session can tell
-    which model a call belongs to at run time (Dynamo reuses one compiled graph for every
-    instance of a module class, so a name fixed at compile time could not). A tensor-subclass
-    parameter (a tensor-parallel DTensor) is passed over: mixed with the op's plain local
-    activations it would send the op through DTensor dispatch."""
-    return next((n for n in graph.nodes if n.op == "placeholder" and _weight_placeholder(n)
-                 and isinstance(n.meta.get("example_value"), torch.nn.Parameter)
-                 and not is_traceable_wrapper_subclass(n.meta["example_value"])), None)
+    """The graph's first parameter input that no embedding op reads: the kvtopo ops take it so
+    that a session can tell which model a call belongs to at run time (Dynamo reuses one compiled
+    graph for every instance of a module class, so a name fixed at compile time could not). An
+    embedding table is passed over: a draft model sharing its target's embeddings (and a head
+    tied to them) would share the target's store. A tensor-subclass parameter (a tensor-parallel
+    DTensor) is passed over too: mixed with the op's plain local activations it would send the op
+    through DTensor dispatch. The first embedding table when the graph has no other parameter."""
+    keys = [n for n in graph.nodes if n.op == "placeholder" and _weight_placeholder(n)
+            and isinstance(n.meta.get("example_value"), torch.nn.Parameter)
+            and not is_traceable_wrapper_subclass(n.meta["example_value"])]
+    return next((n for n in keys if not any(is_call(user, *_EMBEDDING) for user in n.users)),
+                keys[0] if keys else None)
 
 
 class ActivationSources:

@@ -96,3 +96,22 @@ def test_a_forward_that_runs_without_kvtopo_attention_raises():
                 assert s.calls > 0  # the prefill ran through the session
     finally:
         torch._dynamo.reset()
+
+
+def test_two_models_sharing_their_embeddings_keep_their_own_stores():
+    """A draft model that reuses its target's embedding table (as speculative decoding does): a
+    session tells the models apart by a parameter of theirs that no embedding op reads, so each
+    attends over its own history and equals its uncompiled self."""
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    target, draft = kvtopo.compile(zoo.build("llama", seed=0), inductor=False), kvtopo.compile(
+        zoo.build("llama", seed=1), inductor=False)
+    draft.model.embed_tokens = target.model.embed_tokens
+    references = zoo.build("llama", seed=0), zoo.build("llama", seed=1)
+    references[1].model.embed_tokens = references[0].model.embed_tokens
+    with torch.no_grad():
+        expected = [m(ids).logits for m in references]
+        with kvtopo.session(kvtopo.Config.lossless()) as s:
+            got = [m(ids, use_cache=False).logits for m in (target, draft)]
+            assert sorted({name.split("/")[0] for name in s.stats().per_layer}) == ["model0", "model1"]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
