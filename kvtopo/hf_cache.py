@@ -59,11 +59,14 @@ __all__ = ["SessionCache", "generate"]
 class SessionCache(Cache):
     """A `transformers` Cache whose history lives in a kvtopo session (it stores nothing itself)."""
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, padding: list[int] | None = None):
+        """`padding`: each batch row's leading padding columns, which the session does not store
+        (`generate` passes them for a left-padded batch)."""
         if not isinstance(session, Session):
             raise TypeError(f"SessionCache(session) takes a kvtopo Session, got {type(session).__name__}")
         super().__init__(layers=[])
         self.session = session
+        self.padding = padding
 
     def __repr__(self) -> str:
         return f"SessionCache(session={self.session!r})"
@@ -92,12 +95,17 @@ class SessionCache(Cache):
     # graph here and treats the returned length as a dynamic int instead of recompiling per step.
     @torch.compiler.disable(reason="kvtopo SessionCache reads the session's stored length eagerly")
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens stored in the session (the longest sequence of the batch)."""
+        """The columns of the batch the session holds: its longest sequence's tokens, plus, for a
+        left-padded batch, each row's padding (HF counts columns to know which input ids are new;
+        when every row has padding, the longest row's tokens alone would fall short, and HF would
+        feed a stored token again)."""
         session = self._active_session("get_seq_length")
         first = next(iter(session.layers.values()), None)
-        if first is None:
+        if first is None or not first.longest():
             return 0
-        return first.longest()
+        if self.padding is None:
+            return first.longest()
+        return max(first.length(row) + pad for row, pad in enumerate(self.padding))
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -178,12 +186,12 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     for name in ("cache", "past_key_values"):
         if generate_kwargs.get(name) is not None:
             raise ValueError(f"kvtopo.hf_cache.generate passes its own cache; do not pass {name}=")
-    cache = SessionCache(session)
     if attention_mask is None or bool(attention_mask.bool().all()):
-        return model.generate(input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)
+        return model.generate(input_ids, attention_mask=attention_mask, cache=SessionCache(session), **generate_kwargs)
     mask = attention_mask.bool()
     if bool((mask.long().cummax(1).values.bool() != mask).any()):
         raise ValueError("attention_mask must be left-padded (no padding after a real token)")
+    cache = SessionCache(session, padding=(~mask).sum(1).tolist())
 
     original = model.prepare_inputs_for_generation
     steps = ExitStack()

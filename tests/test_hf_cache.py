@@ -92,6 +92,30 @@ def test_left_padded_batch_through_the_helper_matches_hf():
     torch.testing.assert_close(torch.stack(out.logits, 1), torch.stack(expected.logits, 1), atol=1e-4, rtol=0)
 
 
+def test_a_left_padded_batch_continues_its_history_when_every_row_has_padding():
+    """A second `generate` call on the first one's output (as for one sequence above), with every
+    row left-padded: the session holds no padding, so the cache counts each row's padding columns
+    for HF, which would otherwise feed a stored token again."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (19, 14)]
+    width = 20  # wider than every prompt
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = p
+        mask[row, width - len(p):] = 1
+    with torch.no_grad():
+        expected = zoo.build("llama").generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, **GREEDY)
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    with kvtopo.session(kvtopo.Config.lossless()) as s, torch.no_grad():
+        first = kvtopo.hf_cache.generate(model, ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, **GREEDY)
+        wider = torch.cat([mask, torch.ones(len(prompts), 6, dtype=mask.dtype)], 1)
+        second = kvtopo.hf_cache.generate(model, first.sequences, attention_mask=wider, max_new_tokens=6,
+                                          pad_token_id=0, **GREEDY)
+        assert s.stats().tokens == tuple(len(p) + 12 - 1 for p in prompts)
+    assert torch.equal(second.sequences, expected.sequences)
+
+
 def test_using_the_adapter_outside_its_session_raises():
     model = kvtopo.compile(zoo.build("llama"), inductor=False)
     ids = _prompt(length=8)
