@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .find_window import mask_window
-from .graph_utils import (ActivationSources, _weight_placeholder, arg, attention_shapes, check_self_attention,
+from .graph_utils import (ActivationSources, _weight_placeholder, arg, attention_shapes, built_from_mask, check_self_attention,
                           collect_sites, constant_value, is_call, meta_tensor, skip_casts, strip_repeat_kv)
 from .site import AttentionSite, NotAttention, Refusal
 
@@ -220,6 +220,9 @@ def _scores_from_logits(node: fx.Node):
             raise NotAttention("the scale is applied after the mask")
         elif _is(node, _ADD):
             scores, mask = _split_scores(node.args[0], node.args[1])
+            if not built_from_mask(mask):
+                raise NotAttention(f"the scores add {_describe(mask)}, a float tensor not built from a mask (a "
+                                   "positional bias such as ALiBi?), which a session cannot carry into the history")
             masks.append((mask, "additive"))
             node = skip_casts(scores)
         elif is_call(node, torch.where):

@@ -7,8 +7,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .find_window import mask_window
-from .graph_utils import (ActivationSources, arg, attention_shapes, check_self_attention, collect_sites, default_scale, is_call,
-                          meta_tensor, static_int, strip_repeat_kv)
+from .graph_utils import (ActivationSources, arg, attention_shapes, built_from_mask, check_self_attention, collect_sites,
+                          default_scale, is_call, meta_tensor, static_int, strip_repeat_kv)
 from .site import AttentionSite, NotAttention, Refusal
 
 
@@ -41,6 +41,9 @@ def _match(node: fx.Node, layer: str, sources: ActivationSources) -> AttentionSi
         if not isinstance(mask, fx.Node):
             raise NotAttention(f"attn_mask is a constant ({mask!r}), not a tensor")
         masks = ((mask, "bool" if meta_tensor(mask).dtype == torch.bool else "additive"),)
+        if masks[0][1] == "additive" and not built_from_mask(mask):
+            raise NotAttention("attn_mask is a float tensor not built from a mask (a positional bias such as "
+                               "ALiBi?), which a session cannot carry into the history")
     elif not is_causal and static_int(meta_tensor(query).shape[2]) != 1:
         raise NotAttention("no attn_mask and is_causal=False: bidirectional attention (every query sees every "
                            "key of its chunk), which a causal KV cache cannot reproduce")

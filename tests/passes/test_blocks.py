@@ -86,6 +86,30 @@ class TensorTimesScores(_Projections):
         return self.out(probs @ self.repeat_kv(v))
 
 
+class AlibiBias(_Projections):
+    """Eager attention plus ALiBi's bias (a head's slope times the key's distance back), then the
+    causal fill: the bias is 0 on a token's own key, so a one-token chunk could not show it."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        t = x.shape[1]
+        distance = torch.arange(t)[None, :] - torch.arange(t)[:, None]
+        bias = torch.tensor([0.5, 0.25, 0.125, 0.0625])[:, None, None] * distance.float()
+        scores = q @ self.repeat_kv(k).transpose(-1, -2) * 0.35 + bias
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
+
+
+class SDPAAlibiBias(_Projections):
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        t = x.shape[1]
+        distance = torch.arange(t)[None, :] - torch.arange(t)[:, None]
+        bias = (torch.tensor([0.5, 0.25, 0.125, 0.0625])[:, None, None] * distance.float()).masked_fill(
+            torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        return self.out(F.scaled_dot_product_attention(q, self.repeat_kv(k), self.repeat_kv(v), attn_mask=bias))
+
+
 class TrainingDropout(_Projections):
     def forward(self, x):
         q, k, v = self.qkv(x)
@@ -100,6 +124,8 @@ REFUSED = [
     (ReturnsProbabilities, "used elsewhere"),
     (TensorTimesScores, "multiplied by a tensor"),
     (TrainingDropout, "dropout"),
+    (AlibiBias, "not built from a mask"),
+    (SDPAAlibiBias, "not built from a mask"),
 ]
 
 
