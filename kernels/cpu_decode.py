@@ -99,13 +99,20 @@ def build_kernel(source: Path | None = None, name: str = "kvtopo_mid_decode", cf
 
 @functools.cache
 def _build():
+    return built_or_warned(SOURCE, "kvtopo_mid_decode", CFLAGS, "Mid segments use the torch reference")
+
+
+def built_or_warned(source: Path, name: str, cflags: Sequence[str], instead: str):
+    """`build_kernel(source, name, cflags)`, or None when KVTOPO_NO_CKERNEL is set or the build
+    fails (warned with the compiler's message and what the caller does `instead`). Callers cache
+    it, so a failure is reported once."""
     if os.environ.get("KVTOPO_NO_CKERNEL"):
         return None
     try:
-        return build_kernel()
+        return build_kernel(source, name, cflags)
     except (OSError, RuntimeError, ImportError) as error:
-        warnings.warn(f"kvtopo: building the CPU decode kernel {SOURCE.name} failed, so Mid segments use the "
-                      f"torch reference (slower, same result):\n{error}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"kvtopo: building {source.name} failed, so {instead} (slower, same result):\n{error}",
+                      RuntimeWarning, stacklevel=4)
         return None
 
 

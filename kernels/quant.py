@@ -34,8 +34,6 @@ first code in the low bits; a last byte that is only partly used is zero-padded.
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,16 +183,10 @@ def quantize_float16(x: Tensor, bits: int, reduce_dim: int, valid: Tensor | None
 @functools.cache
 def _c_quantize():
     """The C `quantize`, or None: KVTOPO_NO_CKERNEL set, or the build failed (warned once)."""
-    if os.environ.get("KVTOPO_NO_CKERNEL"):
-        return None
-    from .cpu_decode import build_kernel  # it imports this module
+    from .cpu_decode import built_or_warned  # it imports this module
 
-    try:
-        return build_kernel(C_SOURCE, "kvtopo_quantize", C_FLAGS).quantize
-    except (OSError, RuntimeError, ImportError) as error:
-        warnings.warn(f"kvtopo: building {C_SOURCE.name} failed, so pages are quantized by torch ops "
-                      f"(slower, same result):\n{error}", RuntimeWarning, stacklevel=3)
-        return None
+    built = built_or_warned(C_SOURCE, "kvtopo_quantize", C_FLAGS, "pages are quantized by torch ops")
+    return None if built is None else built.quantize
 
 
 def _in_c(x: Tensor, bits: int, reduce_dim: int) -> Quantized | None:

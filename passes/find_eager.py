@@ -18,23 +18,20 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .find_window import mask_window
-from .graph_utils import (ActivationSources, _weight_placeholder, arg, attention_shapes, built_from_mask, check_self_attention,
-                          collect_sites, constant_value, is_call, meta_tensor, skip_casts, strip_repeat_kv)
+from .graph_utils import MUL_OPS as _MUL
+from .graph_utils import SUB_OPS as _SUB
+from .graph_utils import (MASK_FLOOR, ActivationSources, _weight_placeholder, arg, attention_shapes, built_from_mask,
+                          check_self_attention, collect_sites, constant_value, is_call, meta_tensor, skip_casts,
+                          strip_repeat_kv)
+from .graph_utils import in_group as _is
 from .site import AttentionSite, NotAttention, Refusal
 
 _SOFTMAX = ((F.softmax, torch.softmax), ("softmax",))
 _MATMUL = ((torch.matmul, operator.matmul), ("matmul", "__matmul__"))
-_MUL = ((operator.mul, torch.mul), ("mul", "__mul__"))
 _DIV = ((operator.truediv, torch.div), ("div", "__truediv__"))
 _ADD = ((operator.add, torch.add), ("add", "__add__"))
-_SUB = ((operator.sub, torch.sub), ("sub", "__sub__"))
 _CAT = ((torch.cat, torch.concat, torch.concatenate), ())
 _SHAPE_OPS = ("reshape", "view", "unsqueeze", "expand")
-_MASK_FILL_MIN = -1e4  # a fill at or below this is a mask, not a bias
-
-
-def _is(node, group) -> bool:
-    return is_call(node, *group[0], methods=group[1])
 
 
 def find_eager_sites(gm: fx.GraphModule) -> tuple[list[AttentionSite], list[Refusal]]:
@@ -284,7 +281,7 @@ def _leads_to_matmul(node) -> bool:
 
 def _require_mask_fill(fill, what: str) -> None:
     value = constant_value(fill)
-    if value is None or value > _MASK_FILL_MIN:
+    if value is None or value > MASK_FLOOR:  # a fill above it is a bias, not a mask
         raise NotAttention(f"{what} fills the scores with {fill!r}, not a large negative value: not a mask")
 
 

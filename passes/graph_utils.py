@@ -233,25 +233,31 @@ def collect_sites(gm: fx.GraphModule, pattern: str, is_candidate, match) -> tupl
     return sites, refusals
 
 
-_MASK_FLOOR = -1e4  # what the session reads as a hidden key in an additive mask (runtime/session.py)
-_FILLS = {torch.zeros: 0.0, torch.zeros_like: 0.0, "new_zeros": 0.0, "zero_": 0.0}
-_FILLED = (torch.full, torch.full_like, "new_full", "fill_")  # the fill value is the last positional argument
-_UNCHANGED = (torch.reshape, torch.unsqueeze, torch.squeeze, torch.permute, torch.transpose, torch.narrow,
-              torch.clone, operator.getitem, torch.Tensor.to, "to", "type", "float", "half", "bfloat16", "double",
-              "view", "reshape", "expand", "expand_as", "unsqueeze", "squeeze", "contiguous", "clone", "permute",
-              "transpose", "repeat", "narrow", "__getitem__", "type_as", "view_as", "reshape_as",
-              torch.triu, torch.tril, "triu", "tril")  # (triu / tril zero the rest: still 0 or hidden)
-_BOTH = (operator.add, torch.add, "add", "__add__", torch.minimum, torch.min, "minimum", "min")
+MASK_FLOOR = -1e4  # an additive mask value at or below this hides a key (as runtime/session.py reads it)
+_FILLS = ((torch.zeros, torch.zeros_like), ("new_zeros", "zero_"))
+_FILLED = ((torch.full, torch.full_like), ("new_full", "fill_"))  # the fill value is the last positional argument
+_UNCHANGED = ((torch.reshape, torch.unsqueeze, torch.squeeze, torch.permute, torch.transpose, torch.narrow, torch.clone,
+               operator.getitem, torch.triu, torch.tril),  # (triu / tril zero the rest: still 0 or hidden)
+              ("to", "type", "float", "half", "bfloat16", "double", "view", "reshape", "expand", "expand_as",
+               "unsqueeze", "squeeze", "contiguous", "clone", "permute", "transpose", "repeat", "narrow",
+               "__getitem__", "type_as", "view_as", "reshape_as", "triu", "tril"))
+_BOTH = ((operator.add, torch.add, torch.minimum, torch.min), ("add", "__add__", "minimum", "min"))
+_WHERE = ((torch.where,), ())
+_MASKED_FILL = ((torch.masked_fill,), ("masked_fill", "masked_fill_"))
+MUL_OPS = ((operator.mul, torch.mul), ("mul", "__mul__"))  # op groups: (functions, method names)
+SUB_OPS = ((operator.sub, torch.sub), ("sub", "__sub__"))
+_RSUB = ((torch.rsub,), ("rsub", "__rsub__"))
 
 
-def _target_in(node: fx.Node, targets) -> bool:
-    return node.op in ("call_function", "call_method") and any(node.target is t or node.target == t for t in targets)
+def in_group(node, group) -> bool:
+    """Whether `node` calls one of a group's functions or methods."""
+    return is_call(node, *group[0], methods=group[1])
 
 
 def _mask_valued(value) -> bool:
     """A constant that is 0 or hides a key (very negative, -inf included)."""
     number = constant_value(value)
-    return number is not None and (number == 0 or number <= _MASK_FLOOR)
+    return number is not None and (number == 0 or number <= MASK_FLOOR)
 
 
 def _boolean_valued(node) -> bool:
@@ -262,11 +268,11 @@ def _boolean_valued(node) -> bool:
     value = node.meta.get("example_value")
     if isinstance(value, torch.Tensor) and not value.is_floating_point():
         return True
-    if _target_in(node, _UNCHANGED):
+    if in_group(node, _UNCHANGED):
         return _boolean_valued(node.args[0])
-    if _target_in(node, (operator.sub, torch.sub, "sub", "__sub__")) and constant_value(node.args[0]) == 1:
+    if in_group(node, SUB_OPS) and constant_value(node.args[0]) == 1:
         return _boolean_valued(node.args[1])
-    if _target_in(node, (torch.rsub, "rsub", "__rsub__")) and len(node.args) > 1 and constant_value(node.args[1]) == 1:
+    if in_group(node, _RSUB) and len(node.args) > 1 and constant_value(node.args[1]) == 1:
         return _boolean_valued(node.args[0])
     return False
 
@@ -284,22 +290,20 @@ def built_from_mask(node, depth: int = 0) -> bool:
     value = node.meta.get("example_value")
     if node.op == "placeholder" or (isinstance(value, torch.Tensor) and not value.is_floating_point()):
         return True
-    if _mask_valued(node):
+    if _mask_valued(node) or in_group(node, _FILLS):
         return True
     inner = lambda x: built_from_mask(x, depth + 1)  # noqa: E731
-    if _target_in(node, tuple(_FILLS)):
-        return True
-    if _target_in(node, _FILLED):
+    if in_group(node, _FILLED):
         return _mask_valued(node.args[-1] if node.args else node.kwargs.get("fill_value"))
-    if _target_in(node, (torch.where,)) and len(node.args) == 3:
+    if in_group(node, _WHERE) and len(node.args) == 3:
         return inner(node.args[1]) and inner(node.args[2])
-    if _target_in(node, (torch.masked_fill, "masked_fill", "masked_fill_")) and len(node.args) == 3:
+    if in_group(node, _MASKED_FILL) and len(node.args) == 3:
         return inner(node.args[0]) and inner(node.args[2])
-    if _target_in(node, (operator.mul, torch.mul, "mul", "__mul__")) and len(node.args) == 2:
+    if in_group(node, MUL_OPS) and len(node.args) == 2:
         a, b = node.args
-        return any(_boolean_valued(x) and (constant_value(c) or 0) <= _MASK_FLOOR for x, c in ((a, b), (b, a)))
-    if _target_in(node, _BOTH) and len(node.args) == 2:
+        return any(_boolean_valued(x) and (constant_value(c) or 0) <= MASK_FLOOR for x, c in ((a, b), (b, a)))
+    if in_group(node, _BOTH) and len(node.args) == 2:
         return inner(node.args[0]) and inner(node.args[1])
-    if _target_in(node, _UNCHANGED):
+    if in_group(node, _UNCHANGED):
         return inner(node.args[0])
     return False
