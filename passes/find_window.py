@@ -12,6 +12,13 @@ few ways, all of which leave the window as an integer constant in the mask's gra
 The constant found here is only a claim: inside a session the op also checks, on every chunk
 long enough to show the band, that the graph's mask equals the causal window it applies
 (runtime/session.py), so a misread window raises instead of attending wrongly.
+
+That run-time check only sees the chunk, and a chunk no longer than a block or window shows no
+more than causality. So every other comparison in the mask's graph must also be one whose meaning
+over the whole history the session knows (`_unread_comparison`): causal order between two token
+indices, a padding mask's 0/1 values, or HF's "same packed sequence" test. A block mask (Llama-4's
+`attention_chunk_size`: `kv // c == q // c`), a window written another way (`kv + W > q`) or a
+prefix (`kv < 4`) is refused here, before any chunk could hide it.
 """
 
 from __future__ import annotations
@@ -32,13 +39,139 @@ _MAX_NODES = 400  # mask graphs are small; stop walking long before reaching the
 
 
 def mask_window(masks: list[fx.Node]) -> int | None:
-    """The window the masks' graphs encode, None if they encode none; NotAttention if several."""
+    """The window the masks' graphs encode, None if they encode none; NotAttention if several, or
+    if the graphs hold a comparison the session could not carry into the history."""
+    _refuse_unread_comparisons(masks)
     windows = {w for node in ancestor_nodes(masks, _MAX_NODES) if (w := _window_of(node)) is not None}
     if len(windows) > 1:
         raise NotAttention(f"the mask's graph holds several sliding windows {sorted(windows)}")
     if windows and min(windows) < 1:
         raise NotAttention(f"the mask's graph holds a sliding window of {min(windows)} tokens")
     return windows.pop() if windows else None
+
+
+_EQUALITY = (operator.eq, operator.ne, torch.eq, torch.ne, "eq", "__eq__", "ne", "__ne__")
+_COMPARISON_FUNCTIONS = tuple(k for k in (*_EQUALITY, *_GREATER, *_LESS) if not isinstance(k, str))
+_COMPARISON_METHODS = tuple(k for k in (*_EQUALITY, *_GREATER, *_LESS) if isinstance(k, str))
+_SHIFTS = ((operator.add, torch.add, operator.sub, torch.sub, operator.mul, torch.mul, operator.floordiv,
+            torch.floor_divide, operator.mod, torch.remainder, torch.fmod, torch.div, operator.truediv),
+           ("add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "mul", "__mul__", "__rmul__", "floor_divide",
+            "__floordiv__", "remainder", "__mod__", "fmod", "div", "__truediv__"))
+_VIEWS = ((operator.getitem, torch.unsqueeze, torch.reshape), ("to", "view", "reshape", "expand", "unsqueeze",
+                                                                 "__getitem__", "long", "int", "contiguous", "bool"))
+
+
+def _refuse_unread_comparisons(masks: list[fx.Node]) -> None:
+    """NotAttention naming the first comparison (or `triu`/`tril` band) in the masks' graphs that
+    is none of: a window `_window_of` reads; causal order between two token indices (`kv <= q`,
+    `q - kv >= 0`); a padding mask's values against 0 / 1; equality of one tensor looked up at the
+    query and at the key (HF's packed-sequence ids, whose own graph is not walked). Also when the
+    graphs are too large to walk. Whether a read comparison is exactly causal order is checked on
+    every chunk at run time."""
+    seen: set[fx.Node] = set()
+    stack = [m for m in masks if isinstance(m, fx.Node)]
+    while stack:
+        if len(seen) >= _MAX_NODES:
+            raise NotAttention(f"the mask's graph has more than {_MAX_NODES} nodes; kvtopo cannot prove it causal")
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        key = _key(node)
+        if key in ("triu", torch.triu, "tril", torch.tril):
+            diagonal = _int_constant(arg(node, 1, "diagonal", 0))
+            if diagonal is None or diagonal > (1 if key in ("triu", torch.triu) else 0):
+                raise _unread(node)
+        elif _is_comparison(node) and _window_of(node) is None:
+            lookups = _same_tensor_lookups(node)
+            if lookups is not None:  # segment ids: walk the indices, not how the ids were made
+                stack.extend(i for lookup in lookups for i in lookup.all_input_nodes if i is not lookup.args[0])
+                continue
+            if not (_causal_order(node) or _padding_values(node)):
+                raise _unread(node)
+        stack.extend(node.all_input_nodes)
+
+
+def _unread(node: fx.Node) -> NotAttention:
+    return NotAttention(
+        f"the mask's graph holds `{_describe(node)}`, which is neither causal order, a sliding window nor "
+        "padding (a block mask such as Llama-4's attention_chunk_size, a window written another way, a prefix?); "
+        "a session would attend over the whole history where the model does not")
+
+
+def _describe(node, depth: int = 2) -> str:
+    """`eq(floordiv(sub_1, 8), floordiv(sub_2, 8))`: a node's op and arguments, two levels deep."""
+    if not isinstance(node, fx.Node):
+        return repr(node)
+    if depth == 0 or node.op not in ("call_function", "call_method"):
+        return node.name
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    args = [_describe(a, depth - 1) for a in node.args] + [f"{k}={_describe(v, depth - 1)}" for k, v in node.kwargs.items()]
+    return f"{name}({', '.join(args)})"
+
+
+def _is_comparison(node: fx.Node) -> bool:
+    return is_call(node, *_COMPARISON_FUNCTIONS, methods=_COMPARISON_METHODS) and len(node.args) == 2
+
+
+def _through_views(node):
+    while isinstance(node, fx.Node) and is_call(node, *_VIEWS[0], methods=_VIEWS[1]) and (
+            not is_call(node, operator.getitem, methods=("__getitem__",)) or not _indexes_by_tensor(node)):
+        node = node.args[0]
+    return node
+
+
+def _indexes_by_tensor(node: fx.Node) -> bool:
+    index = node.args[1] if len(node.args) > 1 else None
+    index = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, fx.Node) for i in index)
+
+
+def _shifted_by_constant(node) -> bool:
+    """An index moved, scaled or cut into blocks by a constant (`kv + W`, `q // c`), seen through views."""
+    node = _through_views(node)
+    return is_call(node, *_SHIFTS[0], methods=_SHIFTS[1]) and any(
+        not isinstance(a, fx.Node) and _constant_nonzero(a) for a in node.args[1:2] + node.args[:1])
+
+
+def _constant_nonzero(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0
+
+
+def _causal_order(node: fx.Node) -> bool:
+    """`a <= b` (any order) of two nodes neither shifted by a constant, or a difference of two such
+    nodes against 0."""
+    if _key(node) in _EQUALITY:
+        return False
+    a, b = node.args
+    if isinstance(a, fx.Node) and isinstance(b, fx.Node):
+        return not _shifted_by_constant(a) and not _shifted_by_constant(b)
+    difference, constant = (a, b) if isinstance(a, fx.Node) else (b, a)
+    return constant == 0 and _is_difference(_through_views(difference)) and not any(
+        _shifted_by_constant(x) for x in _through_views(difference).args)
+
+
+def _padding_values(node: fx.Node) -> bool:
+    """A graph input's values (an attention mask of 0/1) compared with 0 or 1."""
+    a, b = node.args
+    value, constant = (a, b) if isinstance(a, fx.Node) else (b, a)
+    if not isinstance(value, fx.Node) or isinstance(constant, fx.Node) or constant not in (0, 1):
+        return False
+    source = _through_views(value)
+    while is_call(source, operator.getitem, methods=("__getitem__",)):
+        source = _through_views(source.args[0])
+    return source.op == "placeholder"
+
+
+def _same_tensor_lookups(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """The two lookups when `node` is `T[..., q] == T[..., kv]` (or !=): one tensor, two indices."""
+    if _key(node) not in _EQUALITY:
+        return None
+    a, b = (_through_views(x) if isinstance(x, fx.Node) else x for x in node.args)
+    if all(is_call(x, operator.getitem, methods=("__getitem__",)) and _indexes_by_tensor(x) for x in (a, b)) \
+            and a.args[0] is b.args[0] and a.args[1] != b.args[1]:
+        return a, b
+    return None
 
 
 def _key(node: fx.Node):

@@ -1,0 +1,98 @@
+"""Masks whose structure a short chunk cannot show are refused at compile time.
+
+Inside a session the op checks the graph's mask over each chunk, but a chunk no longer than a
+block or window shows no more than causality: a block mask (Llama-4's `attention_chunk_size`), a
+window written another way, or a prefix every query may see would pass that check and be dropped
+on the history. The passes must prove the mask is causal order + padding + a window they read, and
+refuse the rest with the comparison they could not read. Each accepted form is also checked for
+exactness in a session, chunk by chunk, against one full forward.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import kvtopo
+from kvtopo.backend import RefusedAttention
+from kvtopo.models.blocks import _Projections
+
+
+def _indices(x):
+    idx = torch.arange(x.shape[1], device=x.device)
+    return idx[:, None], idx[None, :]  # query, key
+
+
+MASKS = {
+    # accepted: causal order, written several ways
+    "kv <= q": lambda q, kv: kv <= q,
+    "q >= kv": lambda q, kv: q >= kv,
+    "q - kv >= 0": lambda q, kv: q - kv >= 0,
+    "tril": lambda q, kv: torch.ones(q.shape[0], kv.shape[1], dtype=torch.bool).tril(),
+    "causal, window 4 (HF form)": lambda q, kv: (kv <= q) & (kv > q - 4),
+    # refused: structure over absolute positions or distances the passes do not read
+    "block of 4": lambda q, kv: (kv <= q) & (kv // 4 == q // 4),
+    "window as kv + 4 > q": lambda q, kv: (kv <= q) & (kv + 4 > q),
+    "prefix of 2": lambda q, kv: (kv <= q) | (kv < 2),
+    "one key ahead (tril(1))": lambda q, kv: torch.ones(q.shape[0], kv.shape[1], dtype=torch.bool).tril(1),
+}
+REFUSED = {"block of 4", "window as kv + 4 > q", "prefix of 2", "one key ahead (tril(1))"}
+
+
+class MaskedAttention(_Projections):
+    def __init__(self, build_mask):
+        super().__init__()
+        self.build_mask = build_mask
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        mask = self.build_mask(*_indices(x))
+        return self.out(F.scaled_dot_product_attention(q, self.repeat_kv(k), self.repeat_kv(v), attn_mask=mask))
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_the_passes_rewrite_only_masks_whose_whole_structure_they_read(name):
+    block = MaskedAttention(MASKS[name]).eval()
+    x = torch.randn(1, 12, 32)
+    report = kvtopo.inspect(block, x[:, :3])  # 3 tokens: shorter than every block, window and prefix here
+    compiled = torch.compile(block, backend="kvtopo", options={"inductor": False})
+    with torch.no_grad():
+        expected = block(x)
+    if name in REFUSED:
+        assert not report.sites and len(report.refusals) == 1
+        assert "neither causal order, a sliding window nor padding" in report.refusals[0].reason
+        with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
+            with pytest.raises(RefusedAttention):
+                compiled(x[:, :3])
+            assert s.stats().tokens == ()
+        return
+    assert len(report.sites) == 1 and not report.refusals
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless(page_size=2)):
+        got = torch.cat([compiled(x[:, a:b]) for a, b in ((0, 3), (3, 4), (4, 9), (9, 10), (10, 11), (11, 12))], 1)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def _llama4_chunked(attn_implementation: str):
+    """Tiny Llama-4 text model: layer 0 attends in blocks of 8 tokens (`attention_chunk_size`),
+    layer 1 (no RoPE) over the whole sequence."""
+    config = transformers.Llama4TextConfig(
+        hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, attention_chunk_size=8,
+        num_local_experts=1, no_rope_layers=[1, 0])
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(0)
+    return transformers.Llama4ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_llama4_block_attention_is_refused_even_when_the_prompt_fits_one_block(attn_implementation):
+    """An 8-token prompt shows a causal mask; decoding past token 8 the model attends only within
+    its block. Before this refusal, a session attended over the whole history (logits off by ~1.7)."""
+    model = _llama4_chunked(attn_implementation)
+    ids = torch.randint(0, 200, (1, 8), generator=torch.Generator().manual_seed(1))
+    report = kvtopo.inspect(model, input_ids=ids, use_cache=False)
+    assert [r.layer for r in report.refusals] == ["model.layers.0.self_attn"]
+    assert "eq(floordiv(" in report.refusals[0].reason
+    assert [s.layer for s in report.sites] == ["model.layers.1.self_attn"]
+    with pytest.raises(RefusedAttention, match="model.layers.0.self_attn"):
+        kvtopo.generate(kvtopo.compile(model), ids, max_new_tokens=12, config=kvtopo.Config.lossless())
