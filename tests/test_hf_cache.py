@@ -144,3 +144,16 @@ def test_uncompiled_model_and_beam_search_raise():
     with kvtopo.session() as s, torch.no_grad():
         with pytest.raises(NotImplementedError, match="beam search"):
             model.generate(ids, max_new_tokens=2, num_beams=2, cache=SessionCache(s))
+
+
+def test_a_models_own_cache_in_a_session_is_refused_naming_the_cache():
+    """A DynamicCache from the first chunk fed back with the second: the graph's keys hold the
+    cache's tensors, which the session cannot own; refused with the way out, nothing stored."""
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    ids = _prompt(length=12)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
+        first = model(ids[:, :6])
+        stored = s.stats().tokens
+        with pytest.raises(kvtopo.backend.RefusedAttention, match="a cache passed in by the caller .*use_cache=False"):
+            model(ids[:, 6:], cache=first.past_key_values)
+        assert s.stats().tokens == stored
