@@ -22,7 +22,7 @@ from .graph_utils import MUL_OPS as _MUL
 from .graph_utils import SUB_OPS as _SUB
 from .graph_utils import (MASK_FLOOR, ActivationSources, _weight_placeholder, arg, attention_shapes, built_from_mask,
                           check_self_attention, collect_sites, constant_value, is_call, meta_tensor, skip_casts,
-                          strip_repeat_kv)
+                          strip_repeat_kv, symbolic_float)
 from .graph_utils import in_group as _is
 from .site import AttentionSite, NotAttention, Refusal
 
@@ -206,10 +206,16 @@ def _scores_from_logits(node: fx.Node):
             raise NotAttention("a mask is applied inside the logit softcap's tanh")
         if _is(node, _MUL) or _is(node, _DIV):
             a, b = node.args[0], node.args[1]
-            factor, scores = (constant_value(b), a) if isinstance(a, fx.Node) else (constant_value(a), b)
-            if factor is None or not isinstance(scores, fx.Node):
+            scores, other = (a, b) if not symbolic_float(a) and isinstance(a, fx.Node) else (b, a)
+            if symbolic_float(other) and _is(node, _MUL) and scale == 1.0 and not scaled:
+                scale = other  # the only scale: a Python float Dynamo made an input, taken by the op as is
+            elif symbolic_float(other) or isinstance(scale, fx.Node):
+                raise NotAttention(f"the scores are scaled by a Python float input ({_describe(node)}) together with "
+                                   "another factor; only a lone multiplier is taken as the scale")
+            elif (factor := constant_value(other)) is None or not isinstance(scores, fx.Node):
                 raise NotAttention(f"scores are multiplied by a tensor ({_describe(node)}), not a constant scale")
-            scale = scale * factor if _is(node, _MUL) else scale / factor
+            else:
+                scale = scale * factor if _is(node, _MUL) else scale / factor
             scaled = True
             node = skip_casts(scores)
         elif scaled and (_is(node, _ADD) or is_call(node, torch.where)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from .find_window import mask_window
 from .graph_utils import (ActivationSources, arg, attention_shapes, built_from_mask, check_self_attention, collect_sites,
-                          default_scale, is_call, meta_tensor, static_int, strip_repeat_kv)
+                          default_scale, is_call, meta_tensor, static_int, strip_repeat_kv, symbolic_float)
 from .site import AttentionSite, NotAttention, Refusal
 
 
@@ -29,8 +29,8 @@ def _match(node: fx.Node, layer: str, sources: ActivationSources) -> AttentionSi
         raise NotAttention(f"is_causal is not a constant ({is_causal})")
     if mask is not None and is_causal:
         raise NotAttention("both attn_mask and is_causal are set")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise NotAttention(f"scale is not a constant ({scale})")
+    if scale is not None and not isinstance(scale, (int, float)) and not symbolic_float(scale):
+        raise NotAttention(f"scale is neither a constant nor a Python float ({scale})")
     if not enable_gqa:
         key, _ = strip_repeat_kv(key)
         value, _ = strip_repeat_kv(value)
@@ -49,7 +49,8 @@ def _match(node: fx.Node, layer: str, sources: ActivationSources) -> AttentionSi
                            "key of its chunk), which a causal KV cache cannot reproduce")
     return AttentionSite(
         layer=layer, pattern="sdpa", query=query, key=key, value=value, masks=masks,
-        scale=float(scale) if scale is not None else default_scale(head_dim), is_causal=is_causal,
+        scale=scale if symbolic_float(scale) else float(scale) if scale is not None else default_scale(head_dim),
+        is_causal=is_causal,
         heads=heads, kv_heads=kv_heads, head_dim=head_dim, value_head_dim=value_dim, output=node,
         window=mask_window([mask]) if mask is not None else None,
     )

@@ -188,6 +188,13 @@ def check_self_attention(sources: ActivationSources, query: fx.Node, key: fx.Nod
         raise NotAttention(f"keys/values depend on inputs the queries do not ({names}): cross-attention is not cached")
 
 
+def symbolic_float(value) -> bool:
+    """A Python float Dynamo made a graph input (a module attribute whose value changed between
+    compiles, e.g. the attention scale of a second model of the same class): its value arrives
+    at run time, so the op can take the node as its float argument."""
+    return isinstance(value, fx.Node) and isinstance(value.meta.get("example_value"), torch.SymFloat)
+
+
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 

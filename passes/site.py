@@ -23,7 +23,7 @@ class AttentionSite:
     # Each mask with its kind: "bool" (True = attend), "bool_inverted" (True = masked out, as in
     # masked_fill) or "additive". The rewrite folds them into one SDPA-style attn_mask.
     masks: tuple[tuple[fx.Node, str], ...]
-    scale: float
+    scale: float | fx.Node  # a node: a Python float Dynamo made an input (graph_utils.symbolic_float)
     is_causal: bool
     heads: int
     kv_heads: int
@@ -44,7 +44,7 @@ class AttentionSite:
         extras = (f" window={self.window}" if self.window else "") + (f" softcap={self.softcap:g}" if self.softcap else "")
         extras += " sinks" if self.sinks is not None else ""
         return (f"{self.layer}: {self.pattern}, heads={self.heads} kv_heads={self.kv_heads} "
-                f"head_dim={self.head_dim} v_head_dim={self.value_head_dim} scale={self.scale:.4g} {mask}{extras}")
+                f"head_dim={self.head_dim} v_head_dim={self.value_head_dim} scale={self.scale if isinstance(self.scale, fx.Node) else format(self.scale, '.4g')} {mask}{extras}")
 
 
 @dataclass(frozen=True)

@@ -107,3 +107,27 @@ def test_two_models_in_one_session_keep_separate_stores():
     models = {layer.split("/")[0] for layer in stats.per_layer}
     assert len(models) == 2 and len(stats.per_layer) == 2 * zoo.num_attention_layers(draft)
     assert all(held == (50,) for held in stats.held_tokens.values())
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_a_second_model_of_the_same_class_with_another_scale_is_still_rewritten(attn_implementation, monkeypatch):
+    """Dynamo makes a float attribute that changed between compiles of one class a graph input
+    (the second Llama's attention scale): the op takes it as its scale; before, those sites were
+    refused ("scale is not a constant") and the second model ran uncompressed."""
+    import kvtopo.backend as backend
+
+    reports = []
+    run_passes = backend.run_passes
+    monkeypatch.setattr(backend, "run_passes", lambda gm: reports.append(run_passes(gm)) or reports[-1])
+    torch._dynamo.reset()
+    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(3))
+    for head_dim in (16, 32):
+        model = zoo.build("llama", attn_implementation, head_dim=head_dim)
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        with kvtopo.session(kvtopo.Config.lossless()) as s:
+            got = kvtopo.generate(kvtopo.compile(model), ids, max_new_tokens=6)
+            assert s.stats().tokens == (17,)  # stored by the session: compressed path, not the fallback
+        assert torch.equal(got, expected)
+    assert not any(r.refusals for r in reports)
+    assert any(isinstance(site.scale, torch.fx.Node) for r in reports for site in r.sites)
