@@ -223,6 +223,9 @@ def attention_shapes(query: fx.Node, key: fx.Node, value: fx.Node) -> tuple[int,
         raise NotAttention(f"query head dim {head_dim} != key head dim {k.shape[3]}")
     if static_int(v.shape[1]) != kv_heads or str(v.shape[2]) != str(k.shape[2]):
         raise NotAttention("keys and values differ in heads or length")
+    if str(k.shape[2]) != str(q.shape[2]):
+        raise NotAttention(f"{k.shape[2]} keys for {q.shape[2]} queries: the keys hold tokens besides the chunk's own "
+                           "(a learned prefix, a history kept by the model); a session attends over its own history only")
     if heads % kv_heads:
         raise NotAttention(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
     return heads, kv_heads, head_dim, value_dim

@@ -131,3 +131,32 @@ def test_a_second_model_of_the_same_class_with_another_scale_is_still_rewritten(
         assert torch.equal(got, expected)
     assert not any(r.refusals for r in reports)
     assert any(isinstance(site.scale, torch.fx.Node) for r in reports for site in r.sites)
+
+
+class LearnedPrefix(_Projections):
+    """Refused: two learned key/value rows joined before the chunk's own (prefix tuning)."""
+
+    def __init__(self):
+        super().__init__()
+        self.prefix_k = nn.Parameter(torch.randn(1, self.kv_heads, 2, self.head_dim))
+        self.prefix_v = nn.Parameter(torch.randn(1, self.kv_heads, 2, self.head_dim))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        b = x.shape[0]
+        k = torch.cat([self.prefix_k.expand(b, -1, -1, -1), k], 2)
+        v = torch.cat([self.prefix_v.expand(b, -1, -1, -1), v], 2)
+        return self.out(F.scaled_dot_product_attention(q, self.repeat_kv(k), self.repeat_kv(v), is_causal=True))
+
+
+def test_keys_beyond_the_chunks_own_tokens_are_refused_with_the_reason():
+    """Before: accepted, and a session failed mid-forward on a shape mismatch."""
+    block = LearnedPrefix().eval()
+    x = torch.randn(1, 10, 32)
+    report = kvtopo.inspect(block, x)
+    assert not report.sites and "12 keys for 10 queries" in report.refusals[0].reason
+    compiled = torch.compile(block, backend="kvtopo", options={"inductor": False})
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
+        with pytest.raises(RefusedAttention, match="keys for 6 queries"):
+            compiled(x[:, :6])
+        assert s.stats().tokens == ()
