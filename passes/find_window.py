@@ -122,9 +122,12 @@ def _through_views(node):
 
 
 def _indexes_by_tensor(node: fx.Node) -> bool:
+    return any(isinstance(i, fx.Node) for i in _index_entries(node))
+
+
+def _index_entries(node: fx.Node) -> tuple:
     index = node.args[1] if len(node.args) > 1 else None
-    index = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(i, fx.Node) for i in index)
+    return index if isinstance(index, tuple) else (index,)
 
 
 def _shifted_by_constant(node) -> bool:
@@ -139,16 +142,70 @@ def _constant_nonzero(value) -> bool:
 
 
 def _causal_order(node: fx.Node) -> bool:
-    """`a <= b` (any order) of two nodes neither shifted by a constant, or a difference of two such
-    nodes against 0."""
+    """`kv <= q` (or `<`, either way round) of two nodes neither shifted by a constant, or a
+    difference of two such nodes against 0; not when the operands' shapes show the order runs
+    the other way (keys after the query: a model seeing the future, which a cache cannot)."""
     if _key(node) in _EQUALITY:
         return False
     a, b = node.args
-    if isinstance(a, fx.Node) and isinstance(b, fx.Node):
-        return not _shifted_by_constant(a) and not _shifted_by_constant(b)
-    difference, constant = (a, b) if isinstance(a, fx.Node) else (b, a)
-    return constant == 0 and _is_difference(_through_views(difference)) and not any(
-        _shifted_by_constant(x) for x in _through_views(difference).args)
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        constant_first = not isinstance(a, fx.Node)
+        difference, constant = (b, a) if constant_first else (a, b)
+        difference = _through_views(difference)
+        if constant != 0 or not _is_difference(difference):
+            return False
+        # x - y <= 0 (also written 0 >= x - y) reads x <= y; x - y >= 0 reads y <= x
+        at_most_zero = (_key(node) in _LESS) != constant_first
+        a, b = difference.args if at_most_zero else difference.args[::-1]
+    elif _key(node) in _GREATER:
+        a, b = b, a
+    # now the comparison reads a <= b (or a < b): causal when a is the key's index, b the query's
+    return not _shifted_by_constant(a) and not _shifted_by_constant(b) and _faces_back(a, b)
+
+
+def _index_axis(node) -> str | None:
+    """Which index a mask operand varies with: "query" (shape [..., T, 1]) or "key" ([..., 1, T]).
+    Read from its shape, or, in a one-token graph where both are 1, from where the index was given
+    its axis: `x[:, None]` / `unsqueeze(-1)` / `view(-1, 1)` make a query index, `x[None, :]` /
+    `unsqueeze(0)` / `view(1, -1)` a key index; a lookup `table[b, i]` has the axis of its last
+    index. None when neither tells."""
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    if isinstance(value, torch.Tensor) and value.dim() >= 2:
+        rows, cols = (n if isinstance(n, int) else None for n in value.shape[-2:])  # no int(): it would specialise
+        if rows == 1 and cols != 1:
+            return "key"
+        if cols == 1 and rows != 1:
+            return "query"
+    for _ in range(_AXIS_STEPS):
+        if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or not node.args:
+            return None
+        axis = _axis_given(node)
+        if axis is not None:
+            return axis
+        if is_call(node, operator.getitem, methods=("__getitem__",)) and _indexes_by_tensor(node):
+            node = [i for i in _index_entries(node) if isinstance(i, fx.Node)][-1]
+        elif is_call(node, *_SHIFTS[0], methods=_SHIFTS[1]) or is_call(node, *_VIEWS[0], methods=_VIEWS[1]):
+            node = node.args[0]
+        else:
+            return None
+    return None
+
+
+_AXIS_STEPS = 8
+
+
+def _axis_given(node: fx.Node) -> str | None:
+    """The axis a 1-D index gets from `node` (see `_index_axis`), None if `node` gives none."""
+    if is_call(node, operator.getitem, methods=("__getitem__",)) and isinstance(node.args[1], tuple):
+        kept = [i for i, entry in enumerate(node.args[1]) if entry is not None]
+        if len(kept) == 1 and node.args[1][kept[0]] == slice(None):
+            return {1: "key", 2: "query"}.get(len(node.args[1]) - kept[0])
+    elif is_call(node, torch.unsqueeze, methods=("unsqueeze",)) and len(node.args) > 1:
+        return {0: "key", -2: "key", 1: "query", -1: "query"}.get(node.args[1])
+    elif is_call(node, torch.reshape, methods=("view", "reshape")):
+        shape = tuple(node.args[1]) if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        return {(-1, 1): "query", (1, -1): "key"}.get(tuple(shape))
+    return None
 
 
 def _padding_values(node: fx.Node) -> bool:
@@ -213,13 +270,18 @@ def _window_of(node: fx.Node) -> int | None:
     except TypeError:  # unhashable target
         return None
     if greater is not None:  # a > b  (or >=)
-        if (c := _sub_constant(b)) is not None:  # kv > q - c
+        if (c := _sub_constant(b)) is not None and _faces_back(a, b.args[0]):  # kv > q - c
             return c + greater
-        if (c := _int_constant(a)) is not None and _is_difference(b):  # c > q - kv
+        if (c := _int_constant(a)) is not None and _is_difference(b) and _faces_back(*b.args[::-1]):  # c > q - kv
             return c + greater
     if less is not None:  # a < b  (or <=)
-        if (c := _sub_constant(a)) is not None:  # q - c < kv
+        if (c := _sub_constant(a)) is not None and _faces_back(b, a.args[0]):  # q - c < kv
             return c + less
-        if (c := _int_constant(b)) is not None and _is_difference(a):  # q - kv < c
+        if (c := _int_constant(b)) is not None and _is_difference(a) and _faces_back(*a.args[::-1]):  # q - kv < c
             return c + less
     return None
+
+
+def _faces_back(key_index, query_index) -> bool:
+    """Unless the operands' shapes show them the other way round (the band would reach ahead)."""
+    return _index_axis(key_index) != "query" and _index_axis(query_index) != "key"

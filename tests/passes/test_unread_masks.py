@@ -28,6 +28,8 @@ MASKS = {
     "kv <= q": lambda q, kv: kv <= q,
     "q >= kv": lambda q, kv: q >= kv,
     "q - kv >= 0": lambda q, kv: q - kv >= 0,
+    "0 <= q - kv": lambda q, kv: 0 <= q - kv,
+    "kv - q <= 0": lambda q, kv: kv - q <= 0,
     "tril": lambda q, kv: torch.ones(q.shape[0], kv.shape[1], dtype=torch.bool).tril(),
     "causal, window 4 (HF form)": lambda q, kv: (kv <= q) & (kv > q - 4),
     # refused: structure over absolute positions or distances the passes do not read
@@ -96,3 +98,27 @@ def test_llama4_block_attention_is_refused_even_when_the_prompt_fits_one_block(a
     assert [s.layer for s in report.sites] == ["model.layers.1.self_attn"]
     with pytest.raises(RefusedAttention, match="model.layers.0.self_attn"):
         kvtopo.generate(kvtopo.compile(model), ids, max_new_tokens=12, config=kvtopo.Config.lossless())
+
+
+ANTI_CAUSAL = {  # every query sees itself and the keys after it: a cache cannot hold the future
+    "kv >= q": lambda q, kv: kv >= q,
+    "q <= kv": lambda q, kv: q <= kv,
+    "kv - q >= 0": lambda q, kv: kv - q >= 0,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ANTI_CAUSAL))
+def test_order_comparisons_facing_the_future_are_refused(name):
+    """A one-token prompt shows the session nothing wrong (its one key is its own); the shapes of
+    the comparison's operands show which is the query's index and which the key's."""
+    block = MaskedAttention(ANTI_CAUSAL[name]).eval()
+    report = kvtopo.inspect(block, torch.randn(1, 3, 32))
+    assert not report.sites and "neither causal order" in report.refusals[0].reason
+
+
+def test_a_band_facing_the_future_is_not_read_as_a_window():
+    """`q > kv - 4` bounds keys ahead of the query, not behind it: with `kv <= q` the mask is plain
+    causal. Read as a window of 4 it would have hidden the older history on short chunks."""
+    block = MaskedAttention(lambda q, kv: (kv <= q) & (q > kv - 4)).eval()
+    report = kvtopo.inspect(block, torch.randn(1, 3, 32))
+    assert [s.window for s in report.sites] == [] and "neither causal order" in report.refusals[0].reason
