@@ -8,7 +8,7 @@ import torch
 
 from kvtopo.config import Config
 from kvtopo.passes.manager import PassReport, run_passes
-from kvtopo.runtime import context
+from kvtopo.runtime import context, declared_attention
 from kvtopo.runtime.session import Session
 
 
@@ -16,8 +16,11 @@ def compile(model: torch.nn.Module, *, inductor: bool = True, dynamic: bool | No
     """Compile `model` in place with the kvtopo backend and return it.
 
     In place (`nn.Module.compile`) so that HF `model.generate(...)`, which calls the module
-    itself, runs the compiled forward too.
+    itself, runs the compiled forward too. Registers the sliding windows and blocks an HF
+    model's config declares (`runtime/declared_attention`), which a graph whose mask HF skipped
+    cannot show.
     """
+    declared_attention.declare(model)
     model.compile(backend="kvtopo", options={"inductor": inductor}, dynamic=dynamic)
     return model
 

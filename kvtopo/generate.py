@@ -29,7 +29,7 @@ from transformers import PretrainedConfig
 from kvtopo.backend import RefusedAttention
 from kvtopo.compiled import KVTOPO, compiled_backend
 from kvtopo.config import Config
-from kvtopo.runtime import context
+from kvtopo.runtime import context, declared_attention
 from kvtopo.runtime.session import Session
 
 _PROGRESS_MIN_TOKENS = 4096
@@ -100,6 +100,7 @@ def generate(
     _check_ids_in_vocab(input_ids, vocab)
     eos, pad = _special_tokens(model, eos_token_id, pad_token_id, vocab)
 
+    declared_attention.declare(model)
     session = active or Session(config)
     chunk = prefill_chunk_size if prefill_chunk_size is not None else session.config.prefill_chunk_size
     batch, prompt = input_ids.shape

@@ -4,7 +4,7 @@
 
     model = kvtopo.compile(model)
     with kvtopo.session(kvtopo.Config.lossless()) as s:
-        out = model.generate(ids, max_new_tokens=32, cache=kvtopo.hf_cache.SessionCache(s))
+        out = model.generate(ids, max_new_tokens=32, cache=kvtopo.hf_cache.SessionCache(s, model=model))
         print(s.stats().tokens)           # prompt + new - 1 tokens stored per layer
 
 (`past_key_values=SessionCache(s)` works too; transformers 5.x renamed that argument `cache`.)
@@ -13,8 +13,9 @@
 graph's attention sees only the step's new tokens; the rewritten `kvtopo::attention` op then
 takes the layer's history from the active session and appends the new k/v to it. Accordingly:
 
-* `get_seq_length()` is the session's stored length (what HF generate reads, outside the
-  compiled graph, to slice the prompt and to continue from an existing history);
+* `get_seq_length()` is the session's stored length for `model` (what HF generate reads,
+  outside the compiled graph, to slice the prompt and to continue from an existing history;
+  `model=` says whose, when a session holds several models' stores);
 * `get_query_offset()` / `get_mask_sizes(q)` describe attention over the new chunk only:
   query offset 0, kv length q, kv offset 0. These are constants, so the compiled graph never
   depends on how many tokens are stored and Dynamo compiles once for the prefill shape and once
@@ -50,7 +51,7 @@ from contextlib import ExitStack
 import torch
 from transformers.cache_utils import Cache
 
-from kvtopo.runtime import context
+from kvtopo.runtime import context, declared_attention
 from kvtopo.runtime.session import Session
 
 __all__ = ["SessionCache", "generate"]
@@ -59,14 +60,16 @@ __all__ = ["SessionCache", "generate"]
 class SessionCache(Cache):
     """A `transformers` Cache whose history lives in a kvtopo session (it stores nothing itself)."""
 
-    def __init__(self, session: Session, padding: list[int] | None = None):
+    def __init__(self, session: Session, padding: list[int] | None = None, model: torch.nn.Module | None = None):
         """`padding`: each batch row's leading padding columns, which the session does not store
-        (`generate` passes them for a left-padded batch)."""
+        (`generate` passes them for a left-padded batch). `model`: whose stored length to report,
+        needed when the session holds several models' stores (`generate` passes it)."""
         if not isinstance(session, Session):
             raise TypeError(f"SessionCache(session) takes a kvtopo Session, got {type(session).__name__}")
         super().__init__(layers=[])
         self.session = session
         self.padding = padding
+        self.model = getattr(model, "_orig_mod", model)
 
     def __repr__(self) -> str:
         return f"SessionCache(session={self.session!r})"
@@ -99,13 +102,16 @@ class SessionCache(Cache):
         left-padded batch, each row's padding (HF counts columns to know which input ids are new;
         when every row has padding, the longest row's tokens alone would fall short, and HF would
         feed a stored token again)."""
-        session = self._active_session("get_seq_length")
-        first = next(iter(session.layers.values()), None)
+        first = self.first_layer()
         if first is None or not first.longest():
             return 0
         if self.padding is None:
             return first.longest()
         return max(first.length(row) + pad for row, pad in enumerate(self.padding))
+
+    def first_layer(self):
+        """The store of this cache's model's first layer the session holds (None before any)."""
+        return next(iter(self._active_session("get_seq_length").model_layers(self.model)), None)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -183,15 +189,19 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     marks each forward's real tokens for the session so padding is neither stored nor attended.
     """
     session = context.require_active_session("kvtopo.hf_cache.generate")
+    declared_attention.declare(model)
     for name in ("cache", "past_key_values"):
         if generate_kwargs.get(name) is not None:
             raise ValueError(f"kvtopo.hf_cache.generate passes its own cache; do not pass {name}=")
-    if attention_mask is None or bool(attention_mask.bool().all()):
-        return model.generate(input_ids, attention_mask=attention_mask, cache=SessionCache(session), **generate_kwargs)
-    mask = attention_mask.bool()
+    mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     if bool((mask.long().cummax(1).values.bool() != mask).any()):
         raise ValueError("attention_mask must be left-padded (no padding after a real token)")
-    cache = SessionCache(session, padding=(~mask).sum(1).tolist())
+    padding = (~mask).sum(1).tolist()
+    _check_continuation(SessionCache(session, model=model).first_layer(), padding)
+    if not any(padding):
+        return model.generate(input_ids, attention_mask=attention_mask, cache=SessionCache(session, model=model),
+                              **generate_kwargs)
+    cache = SessionCache(session, padding=padding, model=model)
 
     original = model.prepare_inputs_for_generation
     steps = ExitStack()
@@ -216,3 +226,18 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     finally:
         del model.prepare_inputs_for_generation
         steps.close()
+
+
+def _check_continuation(stored, padding: list[int]) -> None:
+    """HF feeds every row from one column, `get_seq_length()`: a continued batch's rows must have
+    their stored tokens end at the same column, or a row's first new tokens would be skipped."""
+    if stored is None or not stored.longest():
+        return
+    ends = [stored.length(row) + pad for row, pad in enumerate(padding)]
+    if len(set(ends)) > 1:
+        row = ends.index(min(ends))
+        raise ValueError(
+            f"kvtopo.hf_cache.generate: row {row} holds {stored.length(row)} tokens and is padded by {padding[row]} "
+            f"columns, so its new tokens start at column {ends[row]}, but another row's start at {max(ends)}; HF "
+            "generate feeds every row from one column. Continue a batch with new turns of one length per row "
+            "(pad each turn, not the whole row), or one conversation per session.")

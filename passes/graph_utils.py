@@ -183,8 +183,8 @@ def check_self_attention(sources: ActivationSources, query: fx.Node, key: fx.Nod
         names = ", ".join(sorted(n.name for n in extra))
         if any("past_key_values" in n.name or "cache" in n.name for n in extra):
             raise NotAttention(f"keys/values include a cache passed in by the caller ({names}); in a kvtopo session "
-                               "the history comes from the session: call the model with use_cache=False, or with "
-                               "kvtopo.hf_cache.SessionCache")
+                               "the history comes from the session: use kvtopo.generate, or pass "
+                               "cache=kvtopo.hf_cache.SessionCache(session, model=model)")
         raise NotAttention(f"keys/values depend on inputs the queries do not ({names}): cross-attention is not cached")
 
 

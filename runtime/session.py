@@ -24,7 +24,7 @@ from kvtopo.kernels.compressed_attention import merge_partials, partial_causal, 
 from kvtopo.kernels.history_attention import history_attention
 from kvtopo.kernels.reference import chunk_causal_mask, grouped_attention
 
-from . import context
+from . import context, declared_attention
 from .decode_batch import decode_step
 from .decode_view import attend_cache_batch, decode_segments
 from .layer_cache import LayerCache, Segments
@@ -136,6 +136,8 @@ class Session:
                              f"not one per query head ({query.shape[1]})")
         if valid is not None and tuple(valid.shape) != (batch, chunk):
             raise ValueError(f"step validity has shape {tuple(valid.shape)}, the call has (batch, tokens)=({batch}, {chunk})")
+        if attn_mask is None and window is None:  # HF skipped the mask: the config may still declare one
+            window = _declared_window(layer, model_key)
         arguments = (is_causal, window, batch, chunk)
         passed = self._mask_passed  # a model passes one mask to all its layers: checked once while unchanged
         if passed is None or not passed.matches(attn_mask, valid, arguments):
@@ -222,6 +224,18 @@ class Session:
         if entry is None or entry[0]() is not model_key:  # new, or a freed tensor's id reused
             entry = self._models[id(model_key)] = (weakref.ref(model_key), f"model{len(self._models)}")
         return entry[1]
+
+    def model_layers(self, model: torch.nn.Module | None = None) -> list[LayerCache]:
+        """The stores of `model`'s layers (by the key parameter its graphs pass), or of every
+        layer when `model` is None; raises when that would mix several models' stores."""
+        if model is None:
+            if len(self._models) > 1:
+                raise ValueError(f"this session holds the stores of {len(self._models)} models; say which one "
+                                 "(kvtopo.hf_cache.SessionCache(session, model=model))")
+            return list(self.layers.values())
+        parameters = {id(p): p for p in model.parameters()}
+        names = {name for key, (ref, name) in self._models.items() if parameters.get(key) is ref() is not None}
+        return [cache for layer, cache in self.layers.items() if layer.split("/")[0] in names]
 
     def model_length(self, model_key: torch.Tensor) -> int:
         """Tokens stored for the model `model_key` belongs to (the longest sequence), as HF's
@@ -392,6 +406,20 @@ class _PassedMask:
         return arguments == self.arguments and all(
             (t is None and ref is None) or (t is not None and ref is not None and ref() is t and t._version == version)
             for t, ref, version in zip((mask, valid), self.refs, self.versions))
+
+
+def _declared_window(layer: str, model_key: torch.Tensor | None) -> int | None:
+    """The sliding window the model's config declares for `layer` (`declared_attention`); a block
+    layer raises: with no mask in the graph the blocks cannot be checked, and a session would
+    attend across them."""
+    declared = declared_attention.declared(model_key, layer)
+    if declared is None:
+        return None
+    kind, tokens = declared
+    if kind == "blocks":
+        raise ValueError(f"attention site {layer!r} attends within blocks of {tokens} tokens (its config's "
+                         "attention_chunk_size), which a kvtopo session cannot carry into the cached history")
+    return tokens
 
 
 def _check_pure_mask(layer: str, attn_mask: torch.Tensor | None) -> None:

@@ -465,6 +465,9 @@ class KvtopoBatchingManager(continuous_api.ContinuousBatchingManager):
         check_transformers_version()
         if not isinstance(session, Session):
             raise TypeError(f"session must be a kvtopo Session, got {type(session).__name__}")
+        if any(layer.length(seq) for layer in session.layers.values() for seq in layer.sequences):
+            raise ValueError("this session already holds sequences; continuous batching numbers its requests from 0 "
+                             "and releases each in every layer when it ends: give it a session of its own")
         if kv_budget_bytes is not None:
             if kv_budget_bytes < 1:
                 raise ValueError(f"kv_budget_bytes must be a positive number of bytes, got {kv_budget_bytes}")

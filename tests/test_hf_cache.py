@@ -154,6 +154,91 @@ def test_a_models_own_cache_in_a_session_is_refused_naming_the_cache():
     with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
         first = model(ids[:, :6])
         stored = s.stats().tokens
-        with pytest.raises(kvtopo.backend.RefusedAttention, match="a cache passed in by the caller .*use_cache=False"):
+        with pytest.raises(kvtopo.backend.RefusedAttention, match="a cache passed in by the caller .*SessionCache"):
             model(ids[:, 6:], cache=first.past_key_values)
         assert s.stats().tokens == stored
+
+
+def _greedy_recompute(model, ids, steps):
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids
+
+
+@pytest.mark.parametrize("name", ["mistral-sw", "gemma3"])
+@pytest.mark.parametrize("prompt", [7, 40])
+def test_windowed_models_keep_their_window_when_hf_builds_no_mask(name, prompt):
+    """Without padding HF builds no mask for a chunk no longer than the window (every decode step
+    here), so the graph shows no window; the session applies the one the config declares. Before,
+    a 7-token prompt attended over the whole history once past the window (logits off by up to
+    1.3) and a 40-token one raised a window mismatch."""
+    model = zoo.build(name)
+    ids = _prompt(length=prompt, seed=7)
+    expected = _greedy_recompute(model, ids, 24)
+    compiled = kvtopo.compile(zoo.build(name))
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
+        got = compiled.generate(ids, max_new_tokens=24, do_sample=False, cache=SessionCache(s))
+    assert torch.equal(got, expected)
+
+
+def test_a_block_layer_called_with_no_mask_raises():
+    """Llama-4's chunked layers: for a chunk without padding within one block HF may build no
+    mask, leaving nothing to refuse at compile time; the session refuses the config's
+    attention_chunk_size instead of attending across blocks later (its full layers run)."""
+    import transformers
+
+    from kvtopo.runtime import declared_attention
+
+    config = transformers.Llama4TextConfig(
+        hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, attention_chunk_size=8,
+        num_local_experts=1, no_rope_layers=[1, 0])
+    model = transformers.Llama4ForCausalLM(config).eval()
+    declared_attention.declare(model)
+    key = next(model.parameters())
+    q, kv = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
+        with pytest.raises(ValueError, match="within blocks of 8 tokens"):
+            s.attend("model.layers.0.self_attn", q, kv, kv, None, 0.25, model_key=key)
+        s.attend("model.layers.1.self_attn", q, kv, kv, None, 0.25, model_key=key)
+        assert s.stats().tokens == (6,)
+
+
+def test_a_batch_continued_after_re_padding_raises_instead_of_skipping_tokens():
+    """New turns of different lengths, re-left-padded: the rows' stored tokens end at different
+    columns, and HF feeds every row from one; before, a row silently lost its first new tokens."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (9, 20)]
+    ids = torch.zeros(2, 20, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, 20 - len(p):], mask[row, 20 - len(p):] = p, 1
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    with kvtopo.session(kvtopo.Config.lossless()) as s, torch.no_grad():
+        first = kvtopo.hf_cache.generate(model, ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0)
+        rows = [torch.cat([first[0, 11:], torch.full((3,), 7)]), torch.cat([first[1], torch.full((6,), 7)])]
+        width = max(len(r) for r in rows)
+        again, again_mask = torch.zeros(2, width, dtype=torch.long), torch.zeros(2, width, dtype=torch.long)
+        for row, r in enumerate(rows):
+            again[row, width - len(r):], again_mask[row, width - len(r):] = r, 1
+        stored = s.stats().tokens
+        with pytest.raises(ValueError, match="HF generate feeds every row from one column"):
+            kvtopo.hf_cache.generate(model, again, attention_mask=again_mask, max_new_tokens=2, pad_token_id=0)
+        assert s.stats().tokens == stored
+
+
+def test_two_models_in_one_session_each_read_their_own_length():
+    """Each SessionCache reports its model's stored length (`model=`); before, the second model's
+    fresh prompt was cut at the first model's length. Without `model=` a session holding two
+    models' stores raises."""
+    prompts = {"llama": _prompt(length=20, seed=1), "qwen2": _prompt(length=26, seed=2)}
+    with torch.no_grad():
+        expected = {n: zoo.build(n).generate(ids, max_new_tokens=8, do_sample=False) for n, ids in prompts.items()}
+    models = {n: kvtopo.compile(zoo.build(n), inductor=False) for n in prompts}
+    with kvtopo.session(kvtopo.Config.lossless()) as s, torch.no_grad():
+        for name, ids in prompts.items():
+            got = models[name].generate(ids, max_new_tokens=8, do_sample=False, cache=SessionCache(s, model=models[name]))
+            assert torch.equal(got, expected[name])
+        with pytest.raises(ValueError, match="stores of 2 models"):
+            SessionCache(s).get_seq_length()

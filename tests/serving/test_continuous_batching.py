@@ -261,3 +261,15 @@ def test_a_decode_that_opens_a_page_is_charged_one_page_not_a_growth_step():
         length = session.layers["0"].length(0)
         page = session.layers["0"].pool.page_nbytes
         assert growth.of(0, length, 1, {}) == (2 * (page + 4), {"0": 1, "1": 1})  # + its block-table entry
+
+
+def test_a_session_already_holding_sequences_is_refused():
+    """Requests are numbered from 0 and released in every layer when they end: in a session that
+    holds a conversation, the first finished request wiped that conversation's row 0."""
+    session = Session(Config.lossless())
+    with session, torch.no_grad():
+        session.attend("other/layer", torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8),
+                       None, 0.35)
+        with pytest.raises(ValueError, match="already holds sequences"):
+            KvtopoBatchingManager(zoo.build("llama"), session, GREEDY)
+        assert session.stats().tokens == (5,)
