@@ -15,7 +15,7 @@ long enough to show the band, that the graph's mask equals the causal window it 
 
 That run-time check only sees the chunk, and a chunk no longer than a block or window shows no
 more than causality. So every other comparison in the mask's graph must also be one whose meaning
-over the whole history the session knows (`_unread_comparison`): causal order between two token
+over the whole history the session knows (`_refuse_unread_comparisons`): causal order between two token
 indices, a padding mask's 0/1 values, or HF's "same packed sequence" test. A block mask (Llama-4's
 `attention_chunk_size`: `kv // c == q // c`), a window written another way (`kv + W > q`) or a
 prefix (`kv < 4`) is refused here, before any chunk could hide it.
