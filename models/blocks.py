@@ -97,7 +97,9 @@ class EagerDivScale(_Projections):
 
 
 class GPT2Legacy(_Projections):
-    """GPT-2's older eager attention: where(causal_mask, scores, finfo.min) then + padding mask."""
+    """GPT-2's older eager attention: where(causal_mask, scores, finfo.min) then + padding mask.
+    Refused: the causal mask is a slice of a buffer, whose values the passes cannot read (GPT-Neo
+    keeps a sliding band in the same form)."""
 
     def __init__(self, **kw):
         super().__init__(kv_heads=kw.pop("kv_heads", 4), **kw)
@@ -115,4 +117,4 @@ class GPT2Legacy(_Projections):
         return self.out(torch.matmul(probs, v))
 
 
-BLOCKS = {cls.__name__: cls for cls in (SDPACausal, SDPAFloatMask, SDPABoolMask, EagerMulScale, EagerDivScale, GPT2Legacy)}
+BLOCKS = {cls.__name__: cls for cls in (SDPACausal, SDPAFloatMask, SDPABoolMask, EagerMulScale, EagerDivScale)}

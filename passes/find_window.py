@@ -28,7 +28,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .graph_utils import ancestor_nodes, arg, is_call
+from .graph_utils import _weight_placeholder, ancestor_nodes, arg, is_call
 from .site import NotAttention
 
 _SUB = ((operator.sub, torch.sub), ("sub", "__sub__"))
@@ -57,6 +57,10 @@ _SHIFTS = ((operator.add, torch.add, operator.sub, torch.sub, operator.mul, torc
             torch.floor_divide, operator.mod, torch.remainder, torch.fmod, torch.div, operator.truediv),
            ("add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "mul", "__mul__", "__rmul__", "floor_divide",
             "__floordiv__", "remainder", "__mod__", "fmod", "div", "__truediv__"))
+_BLOCKS = ((operator.floordiv, torch.floor_divide, operator.mod, torch.remainder, torch.fmod, torch.clamp,
+            torch.clamp_min, torch.clamp_max, operator.rshift, operator.lshift, torch.bucketize),
+           ("floor_divide", "__floordiv__", "remainder", "__mod__", "fmod", "clamp", "clamp_min", "clamp_max", "clip",
+            "__rshift__", "__lshift__"))  # index arithmetic that cuts tokens into blocks or bounds them
 _VIEWS = ((operator.getitem, torch.unsqueeze, torch.reshape), ("to", "view", "reshape", "expand", "unsqueeze",
                                                                  "__getitem__", "long", "int", "contiguous", "bool"))
 
@@ -78,6 +82,11 @@ def _refuse_unread_comparisons(masks: list[fx.Node]) -> None:
             continue
         seen.add(node)
         key = _key(node)
+        if node.op == "get_attr" or (node.op == "placeholder" and (_weight_placeholder(node) or _global(node))):
+            raise NotAttention(f"the mask's graph reads `{node.name}`, a tensor of the model (a mask or table kept in a "
+                               "buffer); what it holds beyond the chunk cannot be proven causal")
+        if is_call(node, *_BLOCKS[0], methods=_BLOCKS[1]):
+            raise _unread(node)
         if key in ("triu", torch.triu, "tril", torch.tril):
             diagonal = _int_constant(arg(node, 1, "diagonal", 0))
             if diagonal is None or diagonal > (1 if key in ("triu", torch.triu) else 0):
@@ -131,14 +140,12 @@ def _index_entries(node: fx.Node) -> tuple:
 
 
 def _shifted_by_constant(node) -> bool:
-    """An index moved, scaled or cut into blocks by a constant (`kv + W`, `q // c`), seen through views."""
+    """An index moved, scaled or cut into blocks (`kv + W`, `q + t`, `2 * kv`, `q // c`), seen through
+    views; adding 0 (HF's `arange + kv_offset`) is not a move."""
     node = _through_views(node)
-    return is_call(node, *_SHIFTS[0], methods=_SHIFTS[1]) and any(
-        not isinstance(a, fx.Node) and _constant_nonzero(a) for a in node.args[1:2] + node.args[:1])
-
-
-def _constant_nonzero(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0
+    return is_call(node, *_SHIFTS[0], methods=_SHIFTS[1]) and not (
+        len(node.args) == 2 and isinstance(node.args[0], fx.Node) and node.args[1] == 0
+        and not isinstance(node.args[1], fx.Node) and is_call(node, operator.add, torch.add, methods=("add", "__add__")))
 
 
 def _causal_order(node: fx.Node) -> bool:
@@ -160,7 +167,7 @@ def _causal_order(node: fx.Node) -> bool:
     elif _key(node) in _GREATER:
         a, b = b, a
     # now the comparison reads a <= b (or a < b): causal when a is the key's index, b the query's
-    return not _shifted_by_constant(a) and not _shifted_by_constant(b) and _faces_back(a, b)
+    return _faces_back(a, b)
 
 
 def _index_axis(node) -> str | None:
@@ -226,9 +233,21 @@ def _same_tensor_lookups(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
         return None
     a, b = (_through_views(x) if isinstance(x, fx.Node) else x for x in node.args)
     if all(is_call(x, operator.getitem, methods=("__getitem__",)) and _indexes_by_tensor(x) for x in (a, b)) \
-            and a.args[0] is b.args[0] and a.args[1] != b.args[1]:
+            and a.args[0] is b.args[0] and a.args[1] != b.args[1] and _is_cumsum(_through_views(a.args[0])):
         return a, b
     return None
+
+
+def _global(node: fx.Node) -> bool:
+    """A tensor Dynamo lifted from a module's globals (a table kept beside the model)."""
+    source = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", "")
+    source = source() if callable(source) else source
+    return source.startswith("G[") or node.name.startswith("g_")
+
+
+def _is_cumsum(node) -> bool:
+    """HF's packed-sequence ids: a running count of the places where positions restart."""
+    return is_call(node, torch.cumsum, methods=("cumsum",))
 
 
 def _key(node: fx.Node):
@@ -283,5 +302,7 @@ def _window_of(node: fx.Node) -> int | None:
 
 
 def _faces_back(key_index, query_index) -> bool:
-    """Unless the operands' shapes show them the other way round (the band would reach ahead)."""
-    return _index_axis(key_index) != "query" and _index_axis(query_index) != "key"
+    """Two plain token indices (neither scaled nor shifted by a constant), unless their shapes show
+    them the other way round (the band would reach ahead)."""
+    return (not _shifted_by_constant(key_index) and not _shifted_by_constant(query_index)
+            and _index_axis(key_index) != "query" and _index_axis(query_index) != "key")

@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kvtopo
-from kvtopo.models.blocks import BLOCKS, _Projections
+from kvtopo.models.blocks import BLOCKS, GPT2Legacy, _Projections
 from kvtopo.passes.manager import run_passes
 
 
@@ -126,6 +126,7 @@ REFUSED = [
     (TrainingDropout, "dropout"),
     (AlibiBias, "not built from a mask"),
     (SDPAAlibiBias, "not built from a mask"),
+    (GPT2Legacy, "a tensor of the model"),
 ]
 
 

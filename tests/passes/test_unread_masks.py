@@ -37,8 +37,13 @@ MASKS = {
     "window as kv + 4 > q": lambda q, kv: (kv <= q) & (kv + 4 > q),
     "prefix of 2": lambda q, kv: (kv <= q) | (kv < 2),
     "one key ahead (tril(1))": lambda q, kv: torch.ones(q.shape[0], kv.shape[1], dtype=torch.bool).tril(1),
+    "block of 4, no comparison": lambda q, kv: (kv <= q) & ~((q // 4 - kv // 4).bool()),
+    "prefix of 3 by clamp": lambda q, kv: kv <= q.clamp(min=3),
+    "wider band 2 kv > q - 4": lambda q, kv: (kv <= q) & (2 * kv > q - 4),
+    "lookahead kv <= q + t": lambda q, kv: kv <= q + torch.ones_like(q),
 }
-REFUSED = {"block of 4", "window as kv + 4 > q", "prefix of 2", "one key ahead (tril(1))"}
+REFUSED = {"block of 4", "window as kv + 4 > q", "prefix of 2", "one key ahead (tril(1))", "block of 4, no comparison",
+           "prefix of 3 by clamp", "wider band 2 kv > q - 4", "lookahead kv <= q + t"}
 
 
 class MaskedAttention(_Projections):
@@ -122,3 +127,24 @@ def test_a_band_facing_the_future_is_not_read_as_a_window():
     block = MaskedAttention(lambda q, kv: (kv <= q) & (q > kv - 4)).eval()
     report = kvtopo.inspect(block, torch.randn(1, 3, 32))
     assert [s.window for s in report.sites] == [] and "neither causal order" in report.refusals[0].reason
+
+
+class TableMask(_Projections):
+    """Keys kept by a table the module holds (a buffer), looked up by token index."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("keep", torch.arange(64) % 3 != 1)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        qi, ki = _indices(x)
+        mask = (ki <= qi) & self.keep[ki]
+        return self.out(F.scaled_dot_product_attention(q, self.repeat_kv(k), self.repeat_kv(v), attn_mask=mask))
+
+
+def test_a_mask_read_from_the_models_buffers_is_refused():
+    """The table's values beyond the chunk cannot be proven causal (GPT-Neo keeps its local band
+    in a buffer the same way)."""
+    report = kvtopo.inspect(TableMask().eval(), torch.randn(1, 3, 32))
+    assert not report.sites and "a tensor of the model" in report.refusals[0].reason
