@@ -197,7 +197,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     if bool((mask.long().cummax(1).values.bool() != mask).any()):
         raise ValueError("attention_mask must be left-padded (no padding after a real token)")
     padding = (~mask).sum(1).tolist()
-    _check_continuation(SessionCache(session, model=model).first_layer(), padding)
+    _check_continuation(next(iter(session.model_layers(model)), None), padding)
     if not any(padding):
         return model.generate(input_ids, attention_mask=attention_mask, cache=SessionCache(session, model=model),
                               **generate_kwargs)

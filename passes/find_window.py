@@ -15,7 +15,7 @@ long enough to show the band, that the graph's mask equals the causal window it 
 
 That run-time check only sees the chunk, and a chunk no longer than a block or window shows no
 more than causality. So every other comparison in the mask's graph must also be one whose meaning
-over the whole history the session knows (`_refuse_unread_comparisons`): causal order between two token
+over the whole history the session knows (`_read_mask`): causal order between two token
 indices, a padding mask's 0/1 values, or HF's "same packed sequence" test. A block mask (Llama-4's
 `attention_chunk_size`: `kv // c == q // c`), a window written another way (`kv + W > q`) or a
 prefix (`kv < 4`) is refused here, before any chunk could hide it.
@@ -28,10 +28,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from .graph_utils import _weight_placeholder, ancestor_nodes, arg, is_call
+from .graph_utils import SUB_OPS, arg, is_call, model_tensor
 from .site import NotAttention
 
-_SUB = ((operator.sub, torch.sub), ("sub", "__sub__"))
 # comparison -> (window when the difference is strict, when it is not)
 _GREATER = {operator.gt: 0, torch.gt: 0, "gt": 0, "__gt__": 0, operator.ge: 1, torch.ge: 1, "ge": 1, "__ge__": 1}
 _LESS = {operator.lt: 0, torch.lt: 0, "lt": 0, "__lt__": 0, operator.le: 1, torch.le: 1, "le": 1, "__le__": 1}
@@ -41,8 +40,7 @@ _MAX_NODES = 400  # mask graphs are small; stop walking long before reaching the
 def mask_window(masks: list[fx.Node]) -> int | None:
     """The window the masks' graphs encode, None if they encode none; NotAttention if several, or
     if the graphs hold a comparison the session could not carry into the history."""
-    _refuse_unread_comparisons(masks)
-    windows = {w for node in ancestor_nodes(masks, _MAX_NODES) if (w := _window_of(node)) is not None}
+    windows = _read_mask(masks)
     if len(windows) > 1:
         raise NotAttention(f"the mask's graph holds several sliding windows {sorted(windows)}")
     if windows and min(windows) < 1:
@@ -65,14 +63,15 @@ _VIEWS = ((operator.getitem, torch.unsqueeze, torch.reshape), ("to", "view", "re
                                                                  "__getitem__", "long", "int", "contiguous", "bool"))
 
 
-def _refuse_unread_comparisons(masks: list[fx.Node]) -> None:
-    """NotAttention naming the first comparison (or `triu`/`tril` band) in the masks' graphs that
-    is none of: a window `_window_of` reads; causal order between two token indices (`kv <= q`,
+def _read_mask(masks: list[fx.Node]) -> set[int]:
+    """The sliding windows the masks' graphs hold; NotAttention naming the first comparison (or
+    `triu`/`tril` band) in them that is none of: a window `_window_of` reads; causal order between two token indices (`kv <= q`,
     `q - kv >= 0`); a padding mask's values against 0 / 1; equality of one tensor looked up at the
     query and at the key (HF's packed-sequence ids, whose own graph is not walked). Also when the
     graphs are too large to walk. Whether a read comparison is exactly causal order is checked on
     every chunk at run time."""
     seen: set[fx.Node] = set()
+    windows: set[int] = set()
     stack = [m for m in masks if isinstance(m, fx.Node)]
     while stack:
         if len(seen) >= _MAX_NODES:
@@ -82,7 +81,7 @@ def _refuse_unread_comparisons(masks: list[fx.Node]) -> None:
             continue
         seen.add(node)
         key = _key(node)
-        if node.op == "get_attr" or (node.op == "placeholder" and (_weight_placeholder(node) or _global(node))):
+        if model_tensor(node):
             raise NotAttention(f"the mask's graph reads `{node.name}`, a tensor of the model (a mask or table kept in a "
                                "buffer); what it holds beyond the chunk cannot be proven causal")
         if is_call(node, *_BLOCKS[0], methods=_BLOCKS[1]):
@@ -91,7 +90,9 @@ def _refuse_unread_comparisons(masks: list[fx.Node]) -> None:
             diagonal = _int_constant(arg(node, 1, "diagonal", 0))
             if diagonal is None or diagonal > (1 if key in ("triu", torch.triu) else 0):
                 raise _unread(node)
-        elif _is_comparison(node) and _window_of(node) is None:
+        if (window := _window_of(node)) is not None:
+            windows.add(window)
+        elif _is_comparison(node):
             lookups = _same_tensor_lookups(node)
             if lookups is not None:  # segment ids: walk the indices, not how the ids were made
                 stack.extend(i for lookup in lookups for i in lookup.all_input_nodes if i is not lookup.args[0])
@@ -99,6 +100,7 @@ def _refuse_unread_comparisons(masks: list[fx.Node]) -> None:
             if not (_causal_order(node) or _padding_values(node)):
                 raise _unread(node)
         stack.extend(node.all_input_nodes)
+    return windows
 
 
 def _unread(node: fx.Node) -> NotAttention:
@@ -139,7 +141,7 @@ def _index_entries(node: fx.Node) -> tuple:
     return index if isinstance(index, tuple) else (index,)
 
 
-def _shifted_by_constant(node) -> bool:
+def _moved_index(node) -> bool:
     """An index moved, scaled or cut into blocks (`kv + W`, `q + t`, `2 * kv`, `q // c`), seen through
     views; adding 0 (HF's `arange + kv_offset`) is not a move."""
     node = _through_views(node)
@@ -238,13 +240,6 @@ def _same_tensor_lookups(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
-def _global(node: fx.Node) -> bool:
-    """A tensor Dynamo lifted from a module's globals (a table kept beside the model)."""
-    source = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", "")
-    source = source() if callable(source) else source
-    return source.startswith("G[") or node.name.startswith("g_")
-
-
 def _is_cumsum(node) -> bool:
     """HF's packed-sequence ids: a running count of the places where positions restart."""
     return is_call(node, torch.cumsum, methods=("cumsum",))
@@ -260,14 +255,14 @@ def _int_constant(value) -> int | None:
 
 def _sub_constant(node) -> int | None:
     """c when `node` is `x - c` for a node x and an int constant c."""
-    if is_call(node, *_SUB[0], methods=_SUB[1]) and isinstance(node.args[0], fx.Node):
+    if is_call(node, *SUB_OPS[0], methods=SUB_OPS[1]) and isinstance(node.args[0], fx.Node):
         return _int_constant(node.args[1])
     return None
 
 
 def _is_difference(node) -> bool:
     """`a - b` of two nodes (an index difference)."""
-    return (is_call(node, *_SUB[0], methods=_SUB[1]) and isinstance(node.args[0], fx.Node)
+    return (is_call(node, *SUB_OPS[0], methods=SUB_OPS[1]) and isinstance(node.args[0], fx.Node)
             and isinstance(node.args[1], fx.Node))
 
 
@@ -304,5 +299,5 @@ def _window_of(node: fx.Node) -> int | None:
 def _faces_back(key_index, query_index) -> bool:
     """Two plain token indices (neither scaled nor shifted by a constant), unless their shapes show
     them the other way round (the band would reach ahead)."""
-    return (not _shifted_by_constant(key_index) and not _shifted_by_constant(query_index)
+    return (not _moved_index(key_index) and not _moved_index(query_index)
             and _index_axis(key_index) != "query" and _index_axis(query_index) != "key")

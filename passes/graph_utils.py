@@ -113,15 +113,27 @@ def strip_repeat_kv(node: fx.Node) -> tuple[fx.Node, int]:
     return source, heads // kv_heads
 
 
+def _source_name(node: fx.Node) -> str:
+    """Dynamo's source of a placeholder ('' once compilation ends and `grapharg` is dropped)."""
+    source = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", "")
+    return source() if callable(source) else source
+
+
 def _weight_placeholder(node: fx.Node) -> bool:
-    """A lifted parameter/buffer: by Dynamo's source while compiling, else by its lifted name
-    (Dynamo drops `grapharg` from the graph once compilation ends)."""
-    grapharg = node.meta.get("grapharg")
-    source = getattr(getattr(grapharg, "source", None), "name", "")
-    source = source() if callable(source) else source
+    """A lifted parameter/buffer: by Dynamo's source while compiling, else by its lifted name."""
+    source = _source_name(node)
     if source:
         return "._parameters[" in source or "._buffers[" in source
     return "_parameters_" in node.name or "_buffers_" in node.name
+
+
+def model_tensor(node: fx.Node) -> bool:
+    """A tensor the model holds rather than one the call passes: a parameter, a buffer, a global
+    Dynamo lifted (`G[...]`), or a `get_attr`."""
+    if node.op == "get_attr":
+        return True
+    return node.op == "placeholder" and (_weight_placeholder(node) or _source_name(node).startswith("G[")
+                                         or node.name.startswith("g_"))
 
 
 def ancestor_nodes(roots, limit: int | None = None) -> set[fx.Node]:
