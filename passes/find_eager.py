@@ -28,6 +28,9 @@ from .site import AttentionSite, NotAttention, Refusal
 
 _SOFTMAX = ((F.softmax, torch.softmax), ("softmax",))
 _MATMUL = ((torch.matmul, operator.matmul), ("matmul", "__matmul__"))
+# Products that also score queries against keys, in forms the rewrite does not take (heads merged
+# into the batch axis, XGLM's `bmm`; an added bias, BLOOM's `baddbmm`; `einsum` subscripts).
+_OTHER_PRODUCTS = ((torch.bmm, torch.baddbmm, torch.einsum), ("bmm", "baddbmm"))
 _DIV = ((operator.truediv, torch.div), ("div", "__truediv__"))
 _ADD = ((operator.add, torch.add), ("add", "__add__"))
 _CAT = ((torch.cat, torch.concat, torch.concatenate), ())
@@ -35,18 +38,25 @@ _SHAPE_OPS = ("reshape", "view", "unsqueeze", "expand")
 
 
 def find_eager_sites(gm: fx.GraphModule) -> tuple[list[AttentionSite], list[Refusal]]:
-    # A softmax not fed by a matmul (e.g. an MoE router's over linear logits) is not attention at all.
-    return collect_sites(gm, "eager", lambda node: _is(node, _SOFTMAX) and _fed_by_matmul(node), _match)
+    # A softmax not fed by a product of tensors (e.g. an MoE router's over linear logits) is not
+    # attention at all; one fed by a product other than matmul is attention the rewrite refuses.
+    return collect_sites(gm, "eager", is_attention_softmax, _match)
 
 
-def _fed_by_matmul(softmax: fx.Node, depth: int = 8) -> bool:
-    """Whether a tensor matmul lies within `depth` nodes above the softmax (an attention candidate)."""
+def is_attention_softmax(node: fx.Node) -> bool:
+    return _is(node, _SOFTMAX) and _product_above(node) is not None
+
+
+def _product_above(softmax: fx.Node, depth: int = 8) -> fx.Node | None:
+    """The nearest tensor product (matmul, bmm, baddbmm, einsum) within `depth` nodes above the
+    softmax: a softmax fed by one is an attention candidate."""
     frontier = [softmax]
     for _ in range(depth):
         frontier = [inp for n in frontier for inp in n.all_input_nodes]
-        if any(_is(n, _MATMUL) for n in frontier):
-            return True
-    return False
+        for node in frontier:
+            if _is(node, _MATMUL) or _is(node, _OTHER_PRODUCTS):
+                return node
+    return None
 
 
 def _single_user(node: fx.Node, what: str) -> fx.Node:
@@ -56,6 +66,10 @@ def _single_user(node: fx.Node, what: str) -> fx.Node:
 
 
 def _match(softmax: fx.Node, layer: str, sources: ActivationSources) -> AttentionSite:
+    product = _product_above(softmax)
+    if _is(product, _OTHER_PRODUCTS):
+        raise NotAttention(f"scores come from {_describe(product)}, not a matmul of [batch, heads, tokens, dim] "
+                           "query and key (heads merged into the batch axis, or a bias added in the product)")
     dim = arg(softmax, 1, "dim")
     rank = meta_tensor(softmax).dim()
     if dim not in (-1, rank - 1):

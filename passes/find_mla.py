@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .find_eager import _fed_by_matmul, _is, _SOFTMAX
+from .find_eager import is_attention_softmax
 from .find_eager import _match as match_eager
 from .find_sdpa import _match as match_sdpa
 from .graph_utils import ActivationSources, arg, is_call, layer_name, meta_tensor, static_int
@@ -63,7 +63,7 @@ def find_mla_sites(gm: fx.GraphModule) -> tuple[list[MLASite], list[Refusal]]:
     for node in gm.graph.nodes:
         if is_call(node, F.scaled_dot_product_attention):
             matcher, pattern = match_sdpa, "sdpa"
-        elif _is(node, _SOFTMAX) and _fed_by_matmul(node):
+        elif is_attention_softmax(node):
             matcher, pattern = match_eager, "eager"
         else:
             continue

@@ -1,20 +1,25 @@
-"""Continue a chunk's RoPE positions from the session's store when the graph computed them from 0.
+"""Continue a chunk's positions from the session's store when the graph computed them from 0.
 
 An HF decoder called without `position_ids` computes them itself,
 `arange(T) + past_seen_tokens`, and without a cache `past_seen_tokens` is 0, which Dynamo records
-as the literal `add(arange(T), 0)` (older models: `arange(0, T)`). Inside a kvtopo session the
-store holds the earlier tokens while the graph has no cache, so a second chunk would be rotated
-as if it were at positions 0..T-1 again. This pass finds that position computation and routes it
+as the literal `add(arange(T), 0)` (older models: `arange(0, T)`; OPT counts a mask of ones,
+`cumsum(ones(B, past + T), 1)`). Inside a kvtopo session the store holds the earlier tokens while
+the graph has no cache, so a second chunk would be rotated, or given position embeddings, as if
+it were at positions 0..T-1 again. This pass finds that position computation and routes it
 through `torch.ops.kvtopo.positions(pos, model_key)`, which adds what the session stores for the
 calling model (nothing outside a session), as HF's cache would; `model_key` is the parameter the
 rewritten attention ops pass to tell the session which model calls them.
 
 Only a computation that is provably the chunk's positions is rewritten: an `arange` with no
-tensor input, starting at the literal 0, as long as the query's token dimension, whose values
-reach the cos/sin of a rotary embedding that feeds the query or key of a rewritten kvtopo
-attention op. A graph that takes `position_ids` as an input (kvtopo.generate, HF generate, export)
-or whose start comes from a cache (`get_seq_length()`, a SymInt input or a non-zero constant) has
-no such node and is left unchanged.
+tensor input, starting at the literal 0, as long as the query's token dimension, or the `cumsum`
+along the token axis of an all-ones tensor built in the graph as long as the query (a count that
+equals `arange(1, T + 1)`, whatever is later done with it: the full history's count sliced at the
+store's length is the same count plus that length), whose values reach the cos/sin of a rotary
+embedding or an index into a table the model holds (GPT-2's, OPT's, BioGPT's learned position
+embeddings) that feeds the query or key of a rewritten kvtopo attention op. A graph that takes
+`position_ids` as an input (kvtopo.generate, HF generate, export) or whose start comes from a
+cache (`get_seq_length()`, a SymInt input or a non-zero constant: then the count is longer than
+the query) has no such node and is left unchanged.
 
 HF's masks stay valid under the shift: with an in-graph `DynamicCache` the mask is built from the
 cache's offsets (not from the positions); without a cache, the packed-sequence check only looks at
@@ -32,7 +37,9 @@ import torch.fx as fx
 
 import kvtopo.kernels.ops  # noqa: F401  (registers torch.ops.kvtopo.*, positions included)
 
-from .graph_utils import ancestor_nodes, is_call
+import torch.nn.functional as F
+
+from .graph_utils import ancestor_nodes, is_call, model_tensor
 
 _ATTENTION_OPS = {
     # op -> the names of its arguments that carry RoPE (query and key)
@@ -43,7 +50,7 @@ _ATTENTION_OPS = {
 
 @dataclass(frozen=True)
 class PositionSite:
-    node: fx.Node  # the chunk's positions counted from 0: `add(arange(T), 0)` or the arange itself
+    node: fx.Node  # the chunk's positions counted from 0 (`add(arange(T), 0)`, the arange itself) or from 1 (`cumsum(ones)`)
     model_key: fx.Node  # the parameter the attention ops it feeds name their model by
     layers: tuple[str, ...]  # the attention ops whose query/key it rotates
 
@@ -78,17 +85,41 @@ def _zero_based_arange(node: fx.Node) -> bool:
     return len(node.args) == 3 and _is_zero(node.args[0]) and node.args[2] == 1
 
 
-def _positions_node(arange: fx.Node) -> fx.Node | None:
-    """The node holding the positions: `arange + 0` when that is the arange's only use, the arange
+def _count_of_ones(node: fx.Node) -> bool:
+    """`cumsum(ones(..., n), dim=-1)` of a 2-D all-ones tensor built in the graph (no tensor
+    argument): every row counts 1..n, as OPT numbers its tokens when no mask is passed."""
+    if not is_call(node, torch.cumsum, methods=("cumsum",)) or len(node.all_input_nodes) != 1:
+        return False
+    ones, value = node.all_input_nodes[0], node.meta.get("example_value")
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or dim not in (1, -1):
+        return False
+    return is_call(ones, torch.ones) and not _tensor_args(ones)
+
+
+def _chunk_length(node: fx.Node) -> str | None:
+    """The token count of a position computation: an arange's length, a count's row length."""
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor):
+        return None
+    if _zero_based_arange(node) and value.dim() == 1:
+        return str(value.shape[0])
+    if _count_of_ones(node):
+        return str(value.shape[1])
+    return None
+
+
+def _positions_node(count: fx.Node) -> fx.Node | None:
+    """The node holding the positions: `count + 0` when that is the count's only use, the count
     itself when no start is added; None when something else (a cache length) is added."""
-    users = list(arange.users)
+    users = list(count.users)
     if len(users) == 1 and is_call(users[0], operator.add, torch.add, methods=("add",)):
         add = users[0]
-        other = add.args[1] if add.args[0] is arange else add.args[0]
+        other = add.args[1] if add.args[0] is count else add.args[0]
         return add if len(add.args) == 2 and not add.kwargs and _is_zero(other) else None
     if any(is_call(u, operator.add, torch.add, operator.sub, torch.sub, methods=("add", "sub")) for u in users):
         return None
-    return arange
+    return count
 
 
 def _descendants(node: fx.Node) -> set[fx.Node]:
@@ -105,6 +136,50 @@ def _is_rotary(node: fx.Node) -> bool:
     return is_call(node, torch.cos, torch.sin, methods=("cos", "sin"))
 
 
+_SAME_VALUES = ("view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "contiguous", "clone",
+                "to", "long", "int", "type")
+
+
+def _keeps_positions(user: fx.Node, node: fx.Node) -> bool:
+    """`user` still holds `node`'s positions, moved by at most a constant: a view or cast, a slice,
+    `+`/`-` a number, `*` an all-ones tensor built in the graph (OPT's mask of ones)."""
+    if is_call(user, torch.reshape, torch.unsqueeze, torch.squeeze, torch.flatten, methods=_SAME_VALUES):
+        return user.args[0] is node
+    if is_call(user, operator.getitem):
+        index = user.args[1] if isinstance(user.args[1], tuple) else (user.args[1],)
+        return user.args[0] is node and all(i is None or i is Ellipsis or isinstance(i, slice) for i in index)
+    other = [a for a in user.args if a is not node]
+    if is_call(user, operator.add, torch.add, operator.sub, torch.sub, methods=("add", "sub")):
+        return len(user.args) == 2 and user.args[0] is node and len(other) == 1 and isinstance(other[0], (int, float))
+    if is_call(user, operator.mul, torch.mul, methods=("mul",)):
+        return len(other) == 1 and is_call(other[0], torch.ones) and not _tensor_args(other[0])
+    return False
+
+
+def _looked_up_tables(positions: fx.Node) -> set[fx.Node]:
+    """Rows picked from a table the model holds by `positions` (as `_keeps_positions` carries them):
+    `embedding(idx, table)`, `table.index_select(0, idx)`, `table[idx]` (learned or sinusoidal
+    position embeddings)."""
+    found, stack, seen = set(), [positions], {positions}
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if is_call(user, F.embedding, torch.embedding):
+                table, index = user.args[1] if len(user.args) > 1 else user.kwargs.get("weight"), user.args[0]
+            elif is_call(user, torch.index_select, methods=("index_select",)):
+                table, index = user.args[0], user.args[2] if len(user.args) > 2 else user.kwargs.get("index")
+            elif is_call(user, operator.getitem) and isinstance(user.args[0], fx.Node):
+                table, index = user.args[0], user.args[1]
+            else:
+                table = index = None
+            if index is node and isinstance(table, fx.Node) and model_tensor(table):
+                found.add(user)
+            elif user not in seen and _keeps_positions(user, node):
+                seen.add(user)
+                stack.append(user)
+    return found
+
+
 def _token_dim(node) -> str | None:
     value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
@@ -113,7 +188,8 @@ def _token_dim(node) -> str | None:
 
 
 def find_position_sites(gm: fx.GraphModule) -> list[PositionSite]:
-    """Every zero-based position computation whose cos/sin rotate a kvtopo attention op's q/k."""
+    """Every position computation counted from the chunk's start whose cos/sin or table rows reach a
+    kvtopo attention op's q/k."""
     graph = gm.graph
     attention = [n for n in graph.nodes if n.op == "call_function" and n.target in _ATTENTION_OPS]
     if not attention:
@@ -126,15 +202,13 @@ def find_position_sites(gm: fx.GraphModule) -> list[PositionSite]:
 
     sites = []
     for node in graph.nodes:
-        if not _zero_based_arange(node):
+        tokens = _chunk_length(node)
+        pos = _positions_node(node) if tokens is not None else None
+        if pos is None:
             continue
-        pos = _positions_node(node)
-        value = node.meta.get("example_value")
-        if pos is None or not isinstance(value, torch.Tensor) or value.dim() != 1:
-            continue
-        rotary = {n for n in _descendants(pos) if _is_rotary(n)}
-        rotated = [(layer, key) for ancestors, tokens, layer, key in fed
-                   if rotary & ancestors and tokens == str(value.shape[0])]
+        reached = {n for n in _descendants(pos) if _is_rotary(n)} | _looked_up_tables(pos)
+        rotated = [(layer, key) for ancestors, query_tokens, layer, key in fed
+                   if reached & ancestors and query_tokens == tokens]
         keys = {key for _, key in rotated}
         # Without a model key a session cannot tell whose store to continue from.
         if len(keys) != 1 or not isinstance(next(iter(keys)), fx.Node):

@@ -11,6 +11,7 @@ import dataclasses
 
 from .find_eager import find_eager_sites
 from .find_mla import find_mla_sites
+from .find_other_attention import find_other_attention
 from .find_positions import find_position_sites, rewrite_position_sites
 from .find_sdpa import find_sdpa_sites
 from .rewrite import rewrite_mla_sites, rewrite_sites
@@ -22,6 +23,7 @@ PASSES = (
     (find_mla_sites, rewrite_mla_sites),
     (find_sdpa_sites, rewrite_sites),
     (find_eager_sites, rewrite_sites),
+    (find_other_attention, None),  # refusals only: FlexAttention, aten SDPA kernels, nn.MultiheadAttention
 )
 
 # (finder, rewriter) pairs run after the attention passes over the rewritten graph; what they find

@@ -136,8 +136,9 @@ class Session:
                              f"not one per query head ({query.shape[1]})")
         if valid is not None and tuple(valid.shape) != (batch, chunk):
             raise ValueError(f"step validity has shape {tuple(valid.shape)}, the call has (batch, tokens)=({batch}, {chunk})")
-        if attn_mask is None and window is None:  # HF skipped the mask: the config may still declare one
-            window = _declared_window(layer, model_key)
+        declared = declared_attention.declared(model_key, layer)
+        if attn_mask is None and window is None and declared is not None:  # HF skipped the mask: the config declares it
+            window = _declared_window(layer, declared)
         arguments = (is_causal, window, batch, chunk)
         passed = self._mask_passed  # a model passes one mask to all its layers: checked once while unchanged
         if passed is None or not passed.matches(attn_mask, valid, arguments):
@@ -147,6 +148,8 @@ class Session:
         if model_key is not None:
             layer = f"{self.model_name(model_key)}/{layer}"
         cache = self._layer_cache(layer, scale, shared_value_dim, window)
+        if declared is not None and declared.rescaled_after is not None:
+            _check_longrope_switch(layer, declared.rescaled_after, cache.longest(), chunk)
         if shared_value_dim:
             value = key[..., :shared_value_dim]
 
@@ -408,18 +411,30 @@ class _PassedMask:
             for t, ref, version in zip((mask, valid), self.refs, self.versions))
 
 
-def _declared_window(layer: str, model_key: torch.Tensor | None) -> int | None:
-    """The sliding window the model's config declares for `layer` (`declared_attention`); a block
-    layer raises: with no mask in the graph the blocks cannot be checked, and a session would
-    attend across them."""
-    declared = declared_attention.declared(model_key, layer)
-    if declared is None:
-        return None
-    kind, tokens = declared
-    if kind == "blocks":
-        raise ValueError(f"attention site {layer!r} attends within blocks of {tokens} tokens (its config's "
+def _declared_window(layer: str, declared: declared_attention.Declared) -> int | None:
+    """The sliding window the model's config declares for `layer` (`declared_attention`) when the
+    graph shows no mask; a block layer or a layer that is not causal raises: with no mask in the
+    graph neither can be checked, and a session would attend across blocks, or causally."""
+    if declared.blocks is not None:
+        raise ValueError(f"attention site {layer!r} attends within blocks of {declared.blocks} tokens (its config's "
                          "attention_chunk_size), which a kvtopo session cannot carry into the cached history")
-    return tokens
+    if declared.bidirectional:
+        raise ValueError(f"attention site {layer!r} belongs to a module that is not causal (is_causal=False: "
+                         "every token sees the later ones too), which a kvtopo session cannot do over a cached "
+                         "history")
+    return declared.window
+
+
+def _check_longrope_switch(layer: str, switch: int, stored: int, chunk: int) -> None:
+    """LongRoPE rotates every position with its long factor once the sequence is longer than
+    `switch` (`original_max_position_embeddings`); keys a session stored before that carry the
+    short factor, so a chunk that takes a stored history past the switch cannot be attended exactly
+    (HF's own generate drops its cache there and starts over)."""
+    if 0 < stored <= switch < stored + chunk:
+        raise ValueError(f"attention site {layer!r}: LongRoPE switches to its long factor after {switch} tokens "
+                         f"(original_max_position_embeddings), and this chunk takes the {stored} stored tokens, "
+                         f"rotated with the short factor, to {stored + chunk}; prefill a prompt longer than "
+                         f"{switch} tokens in one chunk, or start a new session")
 
 
 def _check_pure_mask(layer: str, attn_mask: torch.Tensor | None) -> None:

@@ -116,6 +116,22 @@ def test_one_positions_op_only_when_the_graph_computes_positions_from_zero():
     assert [r.positions for r in REPORTS] == [0]
 
 
+def test_token_indices_that_only_pick_experts_are_not_positions():
+    """Qwen3-MoE numbers its tokens `arange(T)` to dispatch them to experts, and that count reaches
+    an index into the experts' weights, but only through a sort: not a position table."""
+    model = zoo.build("qwen3-moe")
+    graphs = _graphs(model, input_ids=_ids(length=12))
+    assert _count(graphs, torch.ops.kvtopo.attention.default) == 2
+    assert _count(graphs, POSITIONS) == 1  # the rotary positions only
+    ids = _ids(seed=7, length=30)
+    expected = _full_logits(model, ids)
+    torch._dynamo.reset()
+    kvtopo.compile(model, inductor=False)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
+        chunks = [model(input_ids=ids[:, :17]).logits, model(input_ids=ids[:, 17:]).logits]
+    torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-4, rtol=0)
+
+
 def test_positions_op_is_identity_outside_a_session_and_shifts_inside():
     x = torch.arange(5)
     model, other = zoo.build("llama"), zoo.build("llama", seed=1)
@@ -161,3 +177,56 @@ def test_positions_op_exports_and_decomposes_to_identity():
     decomposed = program.run_decompositions(DECOMPOSITIONS)
     assert not any("kvtopo" in str(n.target) for n in decomposed.graph.nodes)
     assert torch.equal(decomposed.module()(x), x * 2)
+
+
+def _learned_positions_model(name: str, impl: str) -> torch.nn.Module:
+    """A tiny model whose positions index a table the model holds (no RoPE)."""
+    import transformers
+
+    if name == "gpt2":
+        return zoo.build("gpt2", impl)
+    small = dict(vocab_size=256, max_position_embeddings=256, pad_token_id=1, bos_token_id=None, eos_token_id=None)
+    config = {
+        "opt": lambda: transformers.OPTConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, ffn_dim=128,
+                                              word_embed_proj_dim=64, dropout=0.0, **small),
+        "biogpt": lambda: transformers.BioGptConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=64,
+                                                    intermediate_size=128, hidden_dropout_prob=0.0, **small),
+        "gpt_bigcode": lambda: transformers.GPTBigCodeConfig(n_layer=2, n_head=4, n_embd=64, n_positions=256,
+                                                             vocab_size=256, bos_token_id=None, eos_token_id=None),
+    }[name]()
+    config._attn_implementation = impl
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("name,impl", [("gpt2", "sdpa"), ("gpt2", "eager"), ("opt", "eager"), ("biogpt", "sdpa"),
+                                       ("gpt_bigcode", "sdpa")])
+def test_learned_position_tables_continue_from_the_store(name, impl):
+    """GPT-2 / GPTBigCode / BioGPT number a chunk `arange(T) + 0`, OPT counts a mask of ones; the
+    table rows they pick must continue from the store as they do from HF's cache."""
+    model = _learned_positions_model(name, impl)
+    ids = _ids(seed=5, length=50)
+    expected = _full_logits(model, ids)
+    REPORTS.clear()
+    kvtopo.compile(model, inductor=False)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
+        chunks = [model(input_ids=ids[:, a:b]).logits for a, b in ((0, 20), (20, 49), (49, 50))]
+        assert s.stats().tokens == (50,)
+    assert all(r.positions == 1 for r in REPORTS) and not any(r.refusals for r in REPORTS), REPORTS
+    torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-4, rtol=0)
+
+
+def test_a_count_that_includes_the_cache_length_is_not_shifted_again():
+    """Through HF's cache API (`SessionCache`) OPT counts ones over past + T tokens and slices at the
+    cache's length: already continued, so it must not be shifted by the store once more."""
+    from kvtopo.hf_cache import SessionCache
+
+    model = _learned_positions_model("opt", "eager")
+    ids = _ids(seed=6, length=30)
+    expected = _full_logits(model, ids)
+    kvtopo.compile(model, inductor=False)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
+        cache = SessionCache(s, model=model)
+        first = model(input_ids=ids[:, :18], past_key_values=cache).logits
+        second = model(input_ids=ids[:, 18:], past_key_values=cache).logits
+    torch.testing.assert_close(torch.cat([first, second], 1), expected, atol=1e-4, rtol=0)
