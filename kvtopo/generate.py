@@ -114,15 +114,23 @@ def generate(
         session.clear()
         calls_before = session.calls
         forward = _SessionForward(model, session)
-        try:
-            logits = _prefill(forward, input_ids, positions, mask, chunk, bar)
-        except RefusedAttention as refused:
-            if refused.report.sites or session.calls != calls_before:
-                raise
-            warnings.warn(f"kvtopo.generate: no attention site of this model was rewritten, so nothing is "
-                          f"compressed; generating with the model's own cache instead ({refused})", stacklevel=2)
+        elsewhere = declared_attention.state_outside_attention(model)
+        if elsewhere is not None:
+            warnings.warn(f"kvtopo.generate: this model keeps state outside attention ({elsewhere}), which a "
+                          "kvtopo session does not carry between calls, so nothing is compressed; generating "
+                          "with the model's own cache instead", stacklevel=2)
             forward = _UncompressedForward(model)
             logits = _prefill(forward, input_ids, positions, mask, prompt, bar)
+        else:
+            try:
+                logits = _prefill(forward, input_ids, positions, mask, chunk, bar)
+            except RefusedAttention as refused:
+                if refused.report.sites or session.calls != calls_before:
+                    raise
+                warnings.warn(f"kvtopo.generate: no attention site of this model was rewritten, so nothing is "
+                              f"compressed; generating with the model's own cache instead ({refused})", stacklevel=2)
+                forward = _UncompressedForward(model)
+                logits = _prefill(forward, input_ids, positions, mask, prompt, bar)
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         last_pos = positions[:, -1]
         all_valid = torch.ones(batch, 1, dtype=torch.bool, device=device)

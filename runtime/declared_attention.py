@@ -6,15 +6,18 @@ longer than the layer's sliding window or block: a short prompt, and every decod
 attend over the whole history. A one-token graph cannot show that a layer attends both ways
 either. And a LongRoPE model (Phi-3) rotates with another factor once its positions pass
 `original_max_position_embeddings`, which keys already stored at the short factor do not follow.
+A hybrid model (Mamba-2 in Bamba, LFM2's short convolutions, Qwen3-Next's gated delta rule) keeps
+state outside attention that HF's cache carries and a session does not.
 `kvtopo.compile`, `kvtopo.generate` and `hf_cache.generate` register the model here; the session
 looks up the attention module it is called for (`Session.attend`): a declared sliding window is
 applied (exactly what the model does), a block layer (Llama-4's `attention_chunk_size`) and a
-bidirectional layer are refused when the graph shows no mask, and a chunk that carries a stored
-history across LongRoPE's switch is refused.
+bidirectional layer are refused when the graph shows no mask, a chunk that carries a stored
+history across LongRoPE's switch is refused, and so is any call that continues a hybrid model.
 """
 
 from __future__ import annotations
 
+import re
 import weakref
 from typing import NamedTuple
 
@@ -26,6 +29,7 @@ class Declared(NamedTuple):
     blocks: int | None = None  # attends within blocks of this many tokens (attention_chunk_size)
     bidirectional: bool = False  # the module says it is not causal (`is_causal = False`)
     rescaled_after: int | None = None  # LongRoPE's original_max_position_embeddings
+    state_elsewhere: str | None = None  # what else in the model carries tokens forward (a hybrid's other layers)
 
 
 # id(parameter) of a registered model -> (the parameter, weakly; {attention module name: Declared}).
@@ -44,7 +48,30 @@ def _longrope_switch(config) -> int | None:
     return None
 
 
-def _declared_for(module: torch.nn.Module, config, index: int) -> Declared:
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "moe", "mlp", "dummy"}
+_STATEFUL_MODULES = re.compile(r"Mamba|Mixer|GatedDeltaNet|ShortConv|LinearAttention|RecurrentBlock|Rglru|Rwkv")
+
+
+def state_outside_attention(model: torch.nn.Module) -> str | None:
+    """What in `model` carries tokens forward besides attention, which a session does not store:
+    `config.layer_types` other than attention, state-space / recurrent / linear-attention modules,
+    depthwise convolutions over the tokens (Mamba's and LFM2's short convolutions); None if nothing."""
+    model = getattr(model, "_orig_mod", model)
+    found = set()
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found |= {f"{kind} layers" for kind in getattr(text_config, "layer_types", None) or ()
+              if isinstance(kind, str) and kind not in _ATTENTION_LAYER_TYPES}
+    for module in model.modules():
+        name = type(module).__name__
+        if isinstance(module, torch.nn.Conv1d) and module.groups == module.in_channels > 1:
+            found.add("depthwise Conv1d over tokens")
+        elif _STATEFUL_MODULES.search(name):
+            found.add(name)
+    return ", ".join(sorted(found)) or None
+
+
+def _declared_for(module: torch.nn.Module, config, index: int, state_elsewhere: str | None) -> Declared:
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
     kind = layer_types[index] if layer_types and index < len(layer_types) else (
@@ -55,20 +82,21 @@ def _declared_for(module: torch.nn.Module, config, index: int) -> Declared:
         blocks=blocks if kind == "chunked_attention" and isinstance(blocks, int) else None,
         bidirectional=getattr(module, "is_causal", True) is False,
         rescaled_after=_longrope_switch(config),
+        state_elsewhere=state_elsewhere,
     )
 
 
 def declare(model: torch.nn.Module) -> None:
     """Register what `model`'s config says of its attention modules (HF modules with a
     `layer_idx`): windows and blocks (`config.layer_types`, else `config.sliding_window` for every
-    layer), modules that are not causal, LongRoPE's switch."""
+    layer), modules that are not causal, LongRoPE's switch, state a hybrid keeps elsewhere."""
     model = getattr(model, "_orig_mod", model)  # what torch.compile wraps: its names are the graph's
-    declared = {}
+    declared, state_elsewhere = {}, state_outside_attention(model)
     for name, module in model.named_modules():
         config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
         if config is None or not isinstance(index, int) or "Attention" not in type(module).__name__:
             continue
-        if (found := _declared_for(module, config, index)) != Declared():
+        if (found := _declared_for(module, config, index, state_elsewhere)) != Declared():
             declared[name] = found
     for parameter in model.parameters() if declared else ():
         if id(parameter) not in _DECLARED:

@@ -148,6 +148,11 @@ class Session:
         if model_key is not None:
             layer = f"{self.model_name(model_key)}/{layer}"
         cache = self._layer_cache(layer, scale, shared_value_dim, window)
+        if declared is not None and declared.state_elsewhere is not None and cache.longest():
+            raise ValueError(f"attention site {layer!r} belongs to a hybrid model whose state outside attention "
+                             f"({declared.state_elsewhere}) a kvtopo session does not carry from one call to the "
+                             "next; only a single forward of the whole sequence is exact (kvtopo.generate falls "
+                             "back to the model's own cache)")
         if declared is not None and declared.rescaled_after is not None:
             _check_longrope_switch(layer, declared.rescaled_after, cache.longest(), chunk)
         if shared_value_dim:

@@ -63,3 +63,44 @@ def test_longrope_within_one_side_of_the_switch_is_exact():
     kvtopo.compile(model, inductor=False)
     for ids, want in zip((short, long), expected):
         assert torch.equal(kvtopo.generate(model, ids, max_new_tokens=8), want)
+
+
+def _lfm2():
+    config = transformers.Lfm2Config(layer_types=["conv", "full_attention"], hidden_size=64, num_attention_heads=4,
+                                     num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128, vocab_size=256,
+                                     pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.Lfm2ForCausalLM(config).eval()
+
+
+def test_a_hybrid_model_is_not_continued_in_a_session():
+    """LFM2's short convolutions carry the last tokens into the next call through HF's cache; a
+    session stores only attention, so a second call would start them from zeros."""
+    model = kvtopo.compile(_lfm2(), inductor=False)
+    ids = _prompt(24, 3)
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
+        whole = model(input_ids=ids).logits  # one forward of the whole sequence is exact
+        torch.testing.assert_close(whole, expected, atol=1e-5, rtol=0)
+        with pytest.raises(ValueError, match=r"hybrid model whose state outside attention \(.*Lfm2ShortConv"):
+            model(input_ids=ids[:, :4])
+
+
+def test_generate_runs_a_hybrid_model_on_its_own_cache():
+    model = _lfm2()
+    ids = _prompt(20, 4)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=6, do_sample=False)
+    kvtopo.compile(model, inductor=False)
+    with pytest.warns(UserWarning, match="keeps state outside attention"):
+        assert torch.equal(kvtopo.generate(model, ids, max_new_tokens=6), expected)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3-moe", "deepseek-v3", "gpt2", "gemma3", "gpt-oss"])
+def test_attention_only_models_are_not_taken_for_hybrids(name):
+    from kvtopo.models import zoo
+    from kvtopo.runtime.declared_attention import state_outside_attention
+
+    assert state_outside_attention(zoo.build(name, zoo.attn_implementations(name)[-1])) is None
