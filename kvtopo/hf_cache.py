@@ -46,6 +46,7 @@ tokens alone.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import ExitStack
 
 import torch
@@ -198,10 +199,39 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
         raise ValueError("attention_mask must be left-padded (no padding after a real token)")
     padding = (~mask).sum(1).tolist()
     _check_continuation(next(iter(session.model_layers(model)), None), padding)
+    cache = SessionCache(session, padding=padding if any(padding) else None, model=model)
+    _check_prompt_continues(cache, input_ids)
+    output = _generate(model, session, cache, input_ids, attention_mask, padding, generate_kwargs)
+    sequences = getattr(output, "sequences", output)  # a tensor, or a GenerateOutput's
+    if (first_layer := cache.first_layer()) is not None and sequences.shape[1] >= cache.get_seq_length():
+        _FED[first_layer] = sequences[:, :cache.get_seq_length()].clone()
+    return output
+
+
+# The token ids a model's stores hold, recorded by `generate` (keyed by the model's first layer
+# store, so `session.clear()`, which drops the stores, drops the record too).
+_FED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _check_prompt_continues(cache: SessionCache, input_ids: torch.Tensor) -> None:
+    """HF generate takes the first `get_seq_length()` columns of a prompt as stored: a prompt that
+    does not start with what the session holds would be cut there and attend over another text.
+    Checked when the stores hold exactly what the last `generate` left (nothing else fed them)."""
+    first_layer = cache.first_layer()
+    fed = _FED.get(first_layer) if first_layer is not None else None
+    columns = cache.get_seq_length()
+    if fed is None or fed.shape != (input_ids.shape[0], columns):
+        return
+    if input_ids.shape[1] <= columns or not torch.equal(input_ids[:, :columns], fed.to(input_ids.device)):
+        raise ValueError(f"kvtopo.hf_cache.generate: the session holds {columns} columns of token ids for this model "
+                         "and the prompt does not start with them (HF generate would cut it there and continue the "
+                         "stored text); pass the whole history plus the new turn, or start a new session "
+                         "(or session.clear())")
+
+
+def _generate(model, session, cache: SessionCache, input_ids, attention_mask, padding: list[int], generate_kwargs):
     if not any(padding):
-        return model.generate(input_ids, attention_mask=attention_mask, cache=SessionCache(session, model=model),
-                              **generate_kwargs)
-    cache = SessionCache(session, padding=padding, model=model)
+        return model.generate(input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)
 
     original = model.prepare_inputs_for_generation
     steps = ExitStack()

@@ -34,10 +34,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 import kvtopo.kernels.ops  # noqa: F401  (registers torch.ops.kvtopo.*, positions included)
-
-import torch.nn.functional as F
 
 from .graph_utils import ancestor_nodes, is_call, model_tensor
 
@@ -50,7 +49,7 @@ _ATTENTION_OPS = {
 
 @dataclass(frozen=True)
 class PositionSite:
-    node: fx.Node  # the chunk's positions counted from 0 (`add(arange(T), 0)`, the arange itself) or from 1 (`cumsum(ones)`)
+    node: fx.Node  # the chunk's count: from 0 (`add(arange(T), 0)`, the arange) or from 1 (`cumsum(ones)`)
     model_key: fx.Node  # the parameter the attention ops it feeds name their model by
     layers: tuple[str, ...]  # the attention ops whose query/key it rotates
 

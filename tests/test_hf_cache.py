@@ -242,3 +242,23 @@ def test_two_models_in_one_session_each_read_their_own_length():
             assert torch.equal(got, expected[name])
         with pytest.raises(ValueError, match="stores of 2 models"):
             SessionCache(s).get_seq_length()
+
+
+def test_a_prompt_that_does_not_continue_the_stored_ids_raises():
+    """HF generate takes a prompt's first `get_seq_length()` columns as stored: an unrelated prompt
+    would be cut there and attend over the earlier conversation. `hf_cache.generate` records the
+    ids it fed and checks the next prompt starts with them; the whole history plus a turn passes."""
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    ids, other = _prompt(length=20, seed=3), _prompt(length=30, seed=4)
+    with torch.no_grad():
+        expected = zoo.build("llama").generate(torch.cat([ids, ids[:, :5]], 1), max_new_tokens=4, do_sample=False)
+    with kvtopo.session(kvtopo.Config.lossless()) as s, torch.no_grad():
+        first = kvtopo.hf_cache.generate(model, ids[:, :12], max_new_tokens=3, do_sample=False)
+        with pytest.raises(ValueError, match="the prompt does not start with them"):
+            kvtopo.hf_cache.generate(model, other, max_new_tokens=3, do_sample=False)
+        assert s.stats().tokens == (14,)  # nothing was fed by the refused call
+        s.clear()
+        kvtopo.hf_cache.generate(model, ids, max_new_tokens=1, do_sample=False)
+        continued = kvtopo.hf_cache.generate(model, torch.cat([ids, ids[:, :5]], 1), max_new_tokens=4, do_sample=False)
+    assert first.shape == (1, 15)
+    assert torch.equal(continued, expected)
