@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,33 @@ def compile(model: torch.nn.Module, *, inductor: bool = True, dynamic: bool | No
     """
     declared_attention.declare(model)
     model.compile(backend="kvtopo", options={"inductor": inductor}, dynamic=dynamic)
+    model._compiled_call_impl = _attends_through_the_session(model._compiled_call_impl, type(model).__name__)
     return model
+
+
+def _attends_through_the_session(compiled_call, name: str):
+    """`compiled_call`, raising when a call made inside a session ran no kvtopo attention: Dynamo
+    ran the forward uncompiled (its recompile_limit reached, shared by every frame of the process)
+    or the model has no attention kvtopo rewrites, so its tokens attended over themselves alone and
+    the session's history was dropped."""
+
+    @functools.wraps(compiled_call)
+    def call(*args, **kwargs):
+        session = context.active_session()
+        if session is None:
+            return compiled_call(*args, **kwargs)
+        calls = session.calls
+        out = compiled_call(*args, **kwargs)
+        if session.calls == calls:
+            raise RuntimeError(
+                f"kvtopo: a forward of {name} inside a session ran no kvtopo attention, so it did not attend over "
+                "the session's history: torch._dynamo ran it uncompiled (e.g. torch._dynamo.config.recompile_limit "
+                "reached, a limit the frames of every compiled model in the process share), or the model has no "
+                "attention kvtopo rewrites (kvtopo.inspect(model, ...) lists its sites)")
+        return out
+
+    call.kvtopo_session_check = True  # what kvtopo.compiled unwraps to find the Dynamo context
+    return call
 
 
 def session(config: Config | None = None) -> Session:

@@ -51,6 +51,8 @@ def _dynamo_context(model):
         fn = getattr(model, "_compiled_call_impl", None)  # set by nn.Module.compile
     else:
         fn = model  # a function returned by torch.compile(fn)
+    if getattr(fn, "kvtopo_session_check", False):  # kvtopo.compile's wrapper (kvtopo/api.py)
+        fn = fn.__wrapped__
     if fn is None or not hasattr(fn, "_torchdynamo_orig_callable"):
         return None
     for cell in getattr(fn, "__closure__", None) or ():

@@ -17,6 +17,7 @@ one raises naming the argument, its value and what is allowed.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Sequence
@@ -349,24 +350,31 @@ class _SessionForward:
 
 class _UncompressedForward:
     """The model's own generation, outside the session, for a model none of whose attention was
-    rewritten: an HF model keeps its own cache; another module recomputes the whole sequence."""
+    rewritten or that keeps state outside attention: an HF model keeps the cache it makes itself
+    (the one its layer types need: attention, Mamba, convolutions), handed back under the name its
+    forward takes; another module recomputes the whole sequence."""
 
     def __init__(self, model):
         self.model = model
         self.cache = None
+        self.cache_argument = None
         if isinstance(getattr(model, "config", None), PretrainedConfig):
-            from transformers import DynamicCache
-
-            self.cache = DynamicCache(config=model.config)
+            accepted = inspect.signature(model.forward).parameters
+            self.cache_argument = next((name for name in ("cache", "past_key_values") if name in accepted), None)
         self.ids = self.positions = self.valid = None
 
     def __call__(self, ids, positions, valid) -> torch.Tensor:
         grow = lambda held, new: new if held is None else torch.cat([held, new], 1)  # noqa: E731
         self.ids, self.positions, self.valid = grow(self.ids, ids), grow(self.positions, positions), grow(self.valid, valid)
         with context.suspended():
-            if self.cache is not None:
+            if self.cache_argument is not None:
+                held = {} if self.cache is None else {self.cache_argument: self.cache}
                 out = self.model(input_ids=ids, position_ids=positions, attention_mask=self.valid.long(),
-                                 past_key_values=self.cache, use_cache=True)
+                                 use_cache=True, **held)
+                self.cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+                if self.cache is None:
+                    raise RuntimeError(f"kvtopo.generate: {type(self.model).__name__} returned no cache to continue "
+                                       "its own generation with")
             else:
                 padding = {} if bool(self.valid.all()) else {"attention_mask": self.valid.long()}
                 out = self.model(input_ids=self.ids, position_ids=self.positions, use_cache=False, **padding)

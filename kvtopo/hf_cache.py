@@ -222,11 +222,14 @@ def _check_prompt_continues(cache: SessionCache, input_ids: torch.Tensor) -> Non
     columns = cache.get_seq_length()
     if fed is None or fed.shape != (input_ids.shape[0], columns):
         return
-    if input_ids.shape[1] <= columns or not torch.equal(input_ids[:, :columns], fed.to(input_ids.device)):
-        raise ValueError(f"kvtopo.hf_cache.generate: the session holds {columns} columns of token ids for this model "
-                         "and the prompt does not start with them (HF generate would cut it there and continue the "
-                         "stored text); pass the whole history plus the new turn, or start a new session "
-                         "(or session.clear())")
+    if input_ids.shape[1] <= columns:
+        problem = f"the prompt has {input_ids.shape[1]} columns, nothing beyond them to generate from"
+    elif not torch.equal(input_ids[:, :columns], fed.to(input_ids.device)):
+        problem = "the prompt does not start with them (HF generate would cut it there and continue the stored text)"
+    else:
+        return
+    raise ValueError(f"kvtopo.hf_cache.generate: the session holds {columns} columns of token ids for this model and "
+                     f"{problem}; pass the whole history plus the new turn, or start a new session (or session.clear())")
 
 
 def _generate(model, session, cache: SessionCache, input_ids, attention_mask, padding: list[int], generate_kwargs):

@@ -12,9 +12,9 @@ rewritten attention ops pass to tell the session which model calls them.
 
 Only a computation that is provably the chunk's positions is rewritten: an `arange` with no
 tensor input, starting at the literal 0, as long as the query's token dimension, or the `cumsum`
-along the token axis of an all-ones tensor built in the graph as long as the query (a count that
-equals `arange(1, T + 1)`, whatever is later done with it: the full history's count sliced at the
-store's length is the same count plus that length), whose values reach the cos/sin of a rotary
+along the token axis of a mask as long as the query, built in the graph as ones or passed by the
+caller (a count of the chunk's real tokens: the full history's count sliced at the store's length
+is the same count plus that length), whose values reach the cos/sin (or `polar`) of a rotary
 embedding or an index into a table the model holds (GPT-2's, OPT's, BioGPT's learned position
 embeddings) that feeds the query or key of a rewritten kvtopo attention op. A graph that takes
 `position_ids` as an input (kvtopo.generate, HF generate, export) or whose start comes from a
@@ -49,7 +49,7 @@ _ATTENTION_OPS = {
 
 @dataclass(frozen=True)
 class PositionSite:
-    node: fx.Node  # the chunk's count: from 0 (`add(arange(T), 0)`, the arange) or from 1 (`cumsum(ones)`)
+    node: fx.Node  # the chunk's count: from 0 (`add(arange(T), 0)`, the arange) or from 1 (`cumsum(mask)`)
     model_key: fx.Node  # the parameter the attention ops it feeds name their model by
     layers: tuple[str, ...]  # the attention ops whose query/key it rotates
 
@@ -84,16 +84,19 @@ def _zero_based_arange(node: fx.Node) -> bool:
     return len(node.args) == 3 and _is_zero(node.args[0]) and node.args[2] == 1
 
 
-def _count_of_ones(node: fx.Node) -> bool:
-    """`cumsum(ones(..., n), dim=-1)` of a 2-D all-ones tensor built in the graph (no tensor
-    argument): every row counts 1..n, as OPT numbers its tokens when no mask is passed."""
+def _count_of_mask(node: fx.Node) -> bool:
+    """`cumsum(mask, dim=-1)` of a 2-D mask along its tokens, the mask built in the graph as ones (no
+    tensor argument) or passed by the caller: each row counts its real tokens, as OPT numbers them.
+    Over a chunk's own mask the count starts at the chunk; the history's count adds what is stored."""
     if not is_call(node, torch.cumsum, methods=("cumsum",)) or len(node.all_input_nodes) != 1:
         return False
-    ones, value = node.all_input_nodes[0], node.meta.get("example_value")
+    mask, value = node.all_input_nodes[0], node.meta.get("example_value")
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if not isinstance(value, torch.Tensor) or value.dim() != 2 or dim not in (1, -1):
         return False
-    return is_call(ones, torch.ones) and not _tensor_args(ones)
+    built_as_ones = is_call(mask, torch.ones) and not _tensor_args(mask)
+    passed = mask.op == "placeholder" and not model_tensor(mask)
+    return built_as_ones or passed
 
 
 def _chunk_length(node: fx.Node) -> str | None:
@@ -103,7 +106,7 @@ def _chunk_length(node: fx.Node) -> str | None:
         return None
     if _zero_based_arange(node) and value.dim() == 1:
         return str(value.shape[0])
-    if _count_of_ones(node):
+    if _count_of_mask(node):
         return str(value.shape[1])
     return None
 
@@ -132,7 +135,8 @@ def _descendants(node: fx.Node) -> set[fx.Node]:
 
 
 def _is_rotary(node: fx.Node) -> bool:
-    return is_call(node, torch.cos, torch.sin, methods=("cos", "sin"))
+    """cos/sin of a rotary embedding, or its complex form (`polar`: Llama-4, DeepSeek-V2)."""
+    return is_call(node, torch.cos, torch.sin, torch.polar, methods=("cos", "sin"))
 
 
 _SAME_VALUES = ("view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "contiguous", "clone",
@@ -141,7 +145,8 @@ _SAME_VALUES = ("view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as"
 
 def _keeps_positions(user: fx.Node, node: fx.Node) -> bool:
     """`user` still holds `node`'s positions, moved by at most a constant: a view or cast, a slice,
-    `+`/`-` a number, `*` an all-ones tensor built in the graph (OPT's mask of ones)."""
+    `+`/`-` a number, `*` an all-ones tensor built in the graph or the mask a count counts (OPT's
+    `cumsum(mask) * mask - 1`: padding stays at -1 under any shift)."""
     if is_call(user, torch.reshape, torch.unsqueeze, torch.squeeze, torch.flatten, methods=_SAME_VALUES):
         return user.args[0] is node
     if is_call(user, operator.getitem):
@@ -150,28 +155,52 @@ def _keeps_positions(user: fx.Node, node: fx.Node) -> bool:
     other = [a for a in user.args if a is not node]
     if is_call(user, operator.add, torch.add, operator.sub, torch.sub, methods=("add", "sub")):
         return len(user.args) == 2 and user.args[0] is node and len(other) == 1 and isinstance(other[0], (int, float))
-    if is_call(user, operator.mul, torch.mul, methods=("mul",)):
-        return len(other) == 1 and is_call(other[0], torch.ones) and not _tensor_args(other[0])
+    if is_call(user, operator.mul, torch.mul, methods=("mul",)):  # by ones, or by the counted mask (pads to 0)
+        return len(other) == 1 and ((is_call(other[0], torch.ones) and not _tensor_args(other[0]))
+                                    or other[0] is _counted_mask(node))
     return False
+
+
+def _counted_mask(node: fx.Node):
+    """The mask a count (`cumsum(mask)`) counts, seen through the views and casts after it."""
+    while not _count_of_mask(node) and node.op in ("call_function", "call_method") and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node.all_input_nodes[0] if _count_of_mask(node) else None
+
+
+def _row_index(index):
+    """The tensor picking rows in `table[index]`: `index` itself, or the first of `(index, :, ...)`."""
+    if isinstance(index, tuple) and index and all(i is None or i is Ellipsis or isinstance(i, slice) for i in index[1:]):
+        return index[0]
+    return index
+
+
+def _held_table(table) -> bool:
+    """A table the model holds, possibly cast or moved first (CTRL's `pos_encoding.to(dtype)`)."""
+    while is_call(table, methods=("to", "type", "float", "half", "bfloat16", "contiguous")):
+        table = table.args[0]
+    return isinstance(table, fx.Node) and model_tensor(table)
 
 
 def _looked_up_tables(positions: fx.Node) -> set[fx.Node]:
     """Rows picked from a table the model holds by `positions` (as `_keeps_positions` carries them):
-    `embedding(idx, table)`, `table.index_select(0, idx)`, `table[idx]` (learned or sinusoidal
-    position embeddings)."""
+    `embedding(idx, table)`, `table.index_select(0, idx)`, `table[idx]`, `table[idx, :]` (learned or
+    sinusoidal position embeddings)."""
     found, stack, seen = set(), [positions], {positions}
     while stack:
         node = stack.pop()
         for user in node.users:
-            if is_call(user, F.embedding, torch.embedding):
+            if is_call(user, F.embedding):
                 table, index = user.args[1] if len(user.args) > 1 else user.kwargs.get("weight"), user.args[0]
+            elif is_call(user, torch.embedding):  # (weight, indices), the other way round
+                table, index = user.args[0], user.args[1] if len(user.args) > 1 else user.kwargs.get("indices")
             elif is_call(user, torch.index_select, methods=("index_select",)):
                 table, index = user.args[0], user.args[2] if len(user.args) > 2 else user.kwargs.get("index")
             elif is_call(user, operator.getitem) and isinstance(user.args[0], fx.Node):
-                table, index = user.args[0], user.args[1]
+                table, index = user.args[0], _row_index(user.args[1])
             else:
                 table = index = None
-            if index is node and isinstance(table, fx.Node) and model_tensor(table):
+            if index is node and _held_table(table):
                 found.add(user)
             elif user not in seen and _keeps_positions(user, node):
                 seen.add(user)

@@ -90,6 +90,8 @@ def _read_mask(masks: list[fx.Node]) -> set[int]:
             diagonal = _int_constant(arg(node, 1, "diagonal", 0))
             if diagonal is None or diagonal > (1 if key in ("triu", torch.triu) else 0):
                 raise _unread(node)
+        if _reads_metadata(node):  # a size, dtype or device: no tensor values flow from its input
+            continue
         if (window := _window_of(node)) is not None:
             windows.add(window)
         elif _is_comparison(node):
@@ -101,6 +103,18 @@ def _read_mask(masks: list[fx.Node]) -> set[int]:
                 raise _unread(node)
         stack.extend(node.all_input_nodes)
     return windows
+
+
+_METADATA = ((torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int,
+              torch.ops.aten.sym_storage_offset.default), ("size", "dim", "numel", "stride", "get_device"))
+
+
+def _reads_metadata(node: fx.Node) -> bool:
+    """`x.size(1)`, `x.shape`, `x.dtype`, `x.device`: what a mask reads of a tensor without its values
+    (a dynamic-shape graph builds its masks from the embeddings' sizes)."""
+    if is_call(node, *_METADATA[0], methods=_METADATA[1]):
+        return True
+    return is_call(node, getattr) and len(node.args) == 2 and node.args[1] in ("shape", "dtype", "device")
 
 
 def _unread(node: fx.Node) -> NotAttention:

@@ -5,7 +5,8 @@ longer than the layer's sliding window or block: a short prompt, and every decod
 `hf_cache.SessionCache`. Such a graph holds no window for the passes to read, and a session would
 attend over the whole history. A one-token graph cannot show that a layer attends both ways
 either. And a LongRoPE model (Phi-3) rotates with another factor once its positions pass
-`original_max_position_embeddings`, which keys already stored at the short factor do not follow.
+`original_max_position_embeddings`, which keys already stored at the short factor do not follow;
+Llama-4's NoPE layers scale their queries by a factor of a position they count from 0 without a cache.
 A hybrid model (Mamba-2 in Bamba, LFM2's short convolutions, Qwen3-Next's gated delta rule) keeps
 state outside attention that HF's cache carries and a session does not.
 `kvtopo.compile`, `kvtopo.generate` and `hf_cache.generate` register the model here; the session
@@ -29,6 +30,7 @@ class Declared(NamedTuple):
     blocks: int | None = None  # attends within blocks of this many tokens (attention_chunk_size)
     bidirectional: bool = False  # the module says it is not causal (`is_causal = False`)
     rescaled_after: int | None = None  # LongRoPE's original_max_position_embeddings
+    temperature_from: int | None = None  # Llama-4's NoPE layers scale queries from this position on (floor_scale)
     state_elsewhere: str | None = None  # what else in the model carries tokens forward (a hybrid's other layers)
 
 
@@ -48,27 +50,52 @@ def _longrope_switch(config) -> int | None:
     return None
 
 
-_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "moe", "mlp", "dummy"}
-_STATEFUL_MODULES = re.compile(r"Mamba|Mixer|GatedDeltaNet|ShortConv|LinearAttention|RecurrentBlock|Rglru|Rwkv")
+def _state_layer_types() -> frozenset[str]:
+    """The layer types HF's cache gives a recurrent state ("conv", "linear_attention", "hybrid"...):
+    those its `DYNAMIC_LAYER_TYPE_MAPPING` maps to a linear-attention layer."""
+    try:
+        from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
+    except ImportError:
+        return frozenset({"conv", "linear_attention", "hybrid", "hybrid_sliding"})
+    return frozenset(kind for kind, layer in DYNAMIC_LAYER_TYPE_MAPPING.items() if "LinearAttention" in layer.__name__)
+
+
+_STATE_LAYER_TYPES = _state_layer_types()
+# Token mixers that carry a state forward: Mamba's (MambaMixer, BambaMixer, NemotronHMamba2Mixer...),
+# Qwen3-Next's gated delta rule, LFM2's short convolutions, RecurrentGemma's, RWKV's, xLSTM's.
+_STATEFUL_MODULES = re.compile(r"Mixer|GatedDeltaNet|ShortConv|LinearAttention|RecurrentBlock|Rglru|RwkvSelfAttention|"
+                               r"LSTM")
 
 
 def state_outside_attention(model: torch.nn.Module) -> str | None:
     """What in `model` carries tokens forward besides attention, which a session does not store:
-    `config.layer_types` other than attention, state-space / recurrent / linear-attention modules,
-    depthwise convolutions over the tokens (Mamba's and LFM2's short convolutions); None if nothing."""
+    `config.layer_types` HF's cache keeps a state for, the decoder's state-space / recurrent /
+    linear-attention mixers, its depthwise convolutions over the tokens (Mamba's and LFM2's short
+    convolutions); None if nothing."""
     model = getattr(model, "_orig_mod", model)
     found = set()
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    found |= {f"{kind} layers" for kind in getattr(text_config, "layer_types", None) or ()
-              if isinstance(kind, str) and kind not in _ATTENTION_LAYER_TYPES}
-    for module in model.modules():
+    found |= {f"{kind} layers" for kind in getattr(text_config, "layer_types", None) or () if kind in _STATE_LAYER_TYPES}
+    # The decoder only: a multimodal model's audio or vision tower runs once over its input.
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
+    for module in (decoder if isinstance(decoder, torch.nn.Module) else model).modules():
         name = type(module).__name__
         if isinstance(module, torch.nn.Conv1d) and module.groups == module.in_channels > 1:
             found.add("depthwise Conv1d over tokens")
         elif _STATEFUL_MODULES.search(name):
             found.add(name)
     return ", ".join(sorted(found)) or None
+
+
+def _temperature_tuning(module: torch.nn.Module) -> int | None:
+    """Llama-4's attention temperature tuning: a NoPE layer multiplies its queries by
+    `log1p(floor((position + 1) / floor_scale)) * attn_scale + 1`, with positions it counts from its
+    cache's length, 0 without one; the factor is 1 below `floor_scale`."""
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        floor_scale = getattr(module, "floor_scale", None)
+        return int(floor_scale) if isinstance(floor_scale, (int, float)) else None
+    return None
 
 
 def _declared_for(module: torch.nn.Module, config, index: int, state_elsewhere: str | None) -> Declared:
@@ -82,6 +109,7 @@ def _declared_for(module: torch.nn.Module, config, index: int, state_elsewhere: 
         blocks=blocks if kind == "chunked_attention" and isinstance(blocks, int) else None,
         bidirectional=getattr(module, "is_causal", True) is False,
         rescaled_after=_longrope_switch(config),
+        temperature_from=_temperature_tuning(module),
         state_elsewhere=state_elsewhere,
     )
 

@@ -155,6 +155,13 @@ class Session:
                              "back to the model's own cache)")
         if declared is not None and declared.rescaled_after is not None:
             _check_longrope_switch(layer, declared.rescaled_after, cache.longest(), chunk)
+        if declared is not None and declared.temperature_from is not None and cache.longest() \
+                and cache.longest() + chunk >= declared.temperature_from:
+            raise ValueError(f"attention site {layer!r} scales its queries by a factor of their position from "
+                             f"position {declared.temperature_from - 1} on (Llama-4's attn_temperature_tuning, "
+                             "floor_scale), and counts positions from 0 without a cache: a session cannot give "
+                             f"it the {cache.longest()} stored tokens' offset, so it cannot continue a sequence "
+                             f"past {declared.temperature_from - 1} tokens")
         if shared_value_dim:
             value = key[..., :shared_value_dim]
 

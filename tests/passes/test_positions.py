@@ -216,6 +216,19 @@ def test_learned_position_tables_continue_from_the_store(name, impl):
     torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-4, rtol=0)
 
 
+def test_a_count_of_the_callers_mask_continues_from_the_store():
+    """OPT given the chunk's `attention_mask` (as a tokenizer returns it) counts that mask: the count
+    of a graph input is continued as the count of ones built in the graph is."""
+    model = _learned_positions_model("opt", "eager")
+    ids = _ids(seed=11, length=30)
+    expected = _full_logits(model, ids)
+    kvtopo.compile(model, inductor=False)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
+        chunks = [model(input_ids=ids[:, a:b], attention_mask=torch.ones(1, b - a, dtype=torch.long)).logits
+                  for a, b in ((0, 13), (13, 29), (29, 30))]
+    torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-4, rtol=0)
+
+
 def test_a_count_that_includes_the_cache_length_is_not_shifted_again():
     """Through HF's cache API (`SessionCache`) OPT counts ones over past + T tokens and slices at the
     cache's length: already continued, so it must not be shifted by the store once more."""
@@ -230,3 +243,85 @@ def test_a_count_that_includes_the_cache_length_is_not_shifted_again():
         first = model(input_ids=ids[:, :18], past_key_values=cache).logits
         second = model(input_ids=ids[:, 18:], past_key_values=cache).logits
     torch.testing.assert_close(torch.cat([first, second], 1), expected, atol=1e-4, rtol=0)
+
+
+def _deepseek_v2():
+    import transformers
+
+    config = transformers.DeepseekV2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=256, max_position_embeddings=512, head_dim=8, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.DeepseekV2ForCausalLM(config).eval()
+
+
+def test_complex_rotary_positions_continue_from_the_store():
+    """DeepSeek-V2 (and Llama-4) rotate with complex numbers, `polar(1, positions * inv_freq)`, and no
+    cos/sin: their positions are continued too."""
+    model = _deepseek_v2()
+    ids = _ids(seed=8, length=40)
+    expected = _full_logits(model, ids)
+    REPORTS.clear()
+    kvtopo.compile(model, inductor=False)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
+        chunks = [model(input_ids=ids[:, a:b]).logits for a, b in ((0, 17), (17, 39), (39, 40))]
+    assert all(r.positions == 1 for r in REPORTS if r.sites), REPORTS
+    torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-4, rtol=0)
+
+
+class _TableBlock(torch.nn.Module):
+    """Positions `arange(0, T)` picking rows of a buffer cast first, `table.to(dtype)[pos, :]` (CTRL's
+    sinusoidal table), then causal SDPA."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(256, 32)
+        self.register_buffer("table", torch.randn(128, 32))
+        self.qkv = torch.nn.Linear(32, 96)
+        self.head = torch.nn.Linear(32, 256)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        positions = torch.arange(0, input_ids.shape[1], dtype=torch.long)[None]
+        x = x + self.table.to(x.dtype)[positions, :]
+        q, k, v = (t.view(1, -1, 4, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(y.transpose(1, 2).reshape(1, -1, 32))
+
+
+def test_a_cast_table_picked_by_row_and_columns_continues_from_the_store():
+    model = _TableBlock().eval()
+    ids = _ids(seed=9, length=30)
+    with torch.no_grad():
+        expected = model(ids)
+    compiled = torch.compile(model, backend="kvtopo")
+    REPORTS.clear()
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
+        chunks = [compiled(ids[:, :11]), compiled(ids[:, 11:29]), compiled(ids[:, 29:])]
+    assert REPORTS and all(r.positions == 1 for r in REPORTS), REPORTS
+    torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-4, rtol=0)
+
+
+def test_generate_after_calls_in_a_session_still_compresses():
+    """A second shape makes Dynamo recompile with dynamic sizes, and the mask's graph then reads the
+    embeddings' sizes: a size is not a value, so the mask is still proven (before, every site was
+    refused and kvtopo.generate fell back to the model's own cache)."""
+    model = zoo.build("llama")
+    ids = _ids(seed=10, length=30)
+    with torch.no_grad():
+        expected = model.generate(ids[:, :20], max_new_tokens=5, do_sample=False)
+    kvtopo.compile(model, inductor=False)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
+        model(input_ids=ids[:, :17])
+    REPORTS.clear()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "nothing is compressed" fallback
+        got = kvtopo.generate(model, ids[:, :20], max_new_tokens=5)
+    assert torch.equal(got, expected)
+    assert REPORTS and all(r.sites and not r.refusals for r in REPORTS), [r.format() for r in REPORTS]

@@ -104,3 +104,43 @@ def test_attention_only_models_are_not_taken_for_hybrids(name):
     from kvtopo.runtime.declared_attention import state_outside_attention
 
     assert state_outside_attention(zoo.build(name, zoo.attn_implementations(name)[-1])) is None
+
+
+def test_llama4_temperature_tuning_cannot_be_continued_past_floor_scale():
+    """Llama-4's NoPE layers scale queries by `log1p(floor((pos + 1) / floor_scale))`, positions
+    counted from the cache's length (0 without one, even when position_ids are passed): exact
+    below floor_scale, raised on once a stored sequence reaches it."""
+    config = transformers.Llama4TextConfig(
+        hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=256, num_local_experts=1, no_rope_layers=[0, 0],
+        layer_types=["full_attention", "full_attention"], attn_temperature_tuning=True, floor_scale=16, attn_scale=2.0,
+        pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(config).eval()
+    ids = _prompt(12, 5)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=3, do_sample=False)  # 14 positions: all below 15
+    kvtopo.compile(model, inductor=False)
+    assert torch.equal(kvtopo.generate(model, ids, max_new_tokens=3), expected)
+    with pytest.raises(ValueError, match="attn_temperature_tuning"):
+        kvtopo.generate(model, ids, max_new_tokens=6)
+
+
+def test_a_model_without_state_or_attention_forward_raises_in_a_session():
+    """Mamba: nothing kvtopo rewrites, so a forward in a session would drop the history without a
+    word; kvtopo.compile's forward raises, and kvtopo.generate runs it on its own cache (passed back
+    as `cache=`, the keyword its forward takes)."""
+    config = transformers.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=256, state_size=8,
+                                      pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.MambaForCausalLM(config).eval()
+    ids = _prompt(16, 6)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=5, do_sample=False)
+    kvtopo.compile(model, inductor=False)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
+        with pytest.raises(RuntimeError, match="ran no kvtopo attention"):
+            model(input_ids=ids)
+    with pytest.warns(UserWarning, match="keeps state outside attention"):
+        assert torch.equal(kvtopo.generate(model, ids, max_new_tokens=5), expected)
