@@ -148,20 +148,8 @@ class Session:
         if model_key is not None:
             layer = f"{self.model_name(model_key)}/{layer}"
         cache = self._layer_cache(layer, scale, shared_value_dim, window)
-        if declared is not None and declared.state_elsewhere is not None and cache.longest():
-            raise ValueError(f"attention site {layer!r} belongs to a hybrid model whose state outside attention "
-                             f"({declared.state_elsewhere}) a kvtopo session does not carry from one call to the "
-                             "next; only a single forward of the whole sequence is exact (kvtopo.generate falls "
-                             "back to the model's own cache)")
-        if declared is not None and declared.rescaled_after is not None:
-            _check_longrope_switch(layer, declared.rescaled_after, cache.longest(), chunk)
-        if declared is not None and declared.temperature_from is not None and cache.longest() \
-                and cache.longest() + chunk >= declared.temperature_from:
-            raise ValueError(f"attention site {layer!r} scales its queries by a factor of their position from "
-                             f"position {declared.temperature_from - 1} on (Llama-4's attn_temperature_tuning, "
-                             "floor_scale), and counts positions from 0 without a cache: a session cannot give "
-                             f"it the {cache.longest()} stored tokens' offset, so it cannot continue a sequence "
-                             f"past {declared.temperature_from - 1} tokens")
+        if declared is not None:
+            _check_continuation(layer, declared, cache.longest(), chunk)
         if shared_value_dim:
             value = key[..., :shared_value_dim]
 
@@ -437,16 +425,31 @@ def _declared_window(layer: str, declared: declared_attention.Declared) -> int |
     return declared.window
 
 
-def _check_longrope_switch(layer: str, switch: int, stored: int, chunk: int) -> None:
-    """LongRoPE rotates every position with its long factor once the sequence is longer than
-    `switch` (`original_max_position_embeddings`); keys a session stored before that carry the
-    short factor, so a chunk that takes a stored history past the switch cannot be attended exactly
-    (HF's own generate drops its cache there and starts over)."""
-    if 0 < stored <= switch < stored + chunk:
+def _check_continuation(layer: str, declared: declared_attention.Declared, stored: int, chunk: int) -> None:
+    """What the model's config says a session cannot continue, given the `stored` tokens and the
+    new `chunk`: a hybrid's state outside attention (any continuation); LongRoPE's switch of factors
+    (keys stored with the short factor, a chunk taking them past `original_max_position_embeddings`:
+    HF's own generate drops its cache there and starts over); Llama-4's temperature tuning (positions
+    counted from 0 without a cache, so exact only below `floor_scale`)."""
+    if not stored:
+        return
+    if declared.state_elsewhere is not None:
+        raise ValueError(f"attention site {layer!r} belongs to a hybrid model whose state outside attention "
+                         f"({declared.state_elsewhere}) a kvtopo session does not carry from one call to the next; "
+                         "only a single forward of the whole sequence is exact (kvtopo.generate falls back to the "
+                         "model's own cache)")
+    switch = declared.rescaled_after
+    if switch is not None and stored <= switch < stored + chunk:
         raise ValueError(f"attention site {layer!r}: LongRoPE switches to its long factor after {switch} tokens "
                          f"(original_max_position_embeddings), and this chunk takes the {stored} stored tokens, "
                          f"rotated with the short factor, to {stored + chunk}; prefill a prompt longer than "
                          f"{switch} tokens in one chunk, or start a new session")
+    tuned = declared.temperature_from
+    if tuned is not None and stored + chunk >= tuned:
+        raise ValueError(f"attention site {layer!r} scales its queries by a factor of their position from position "
+                         f"{tuned - 1} on (Llama-4's attn_temperature_tuning, floor_scale), and counts positions from "
+                         f"0 without a cache: a session cannot give it the {stored} stored tokens' offset, so it "
+                         f"cannot continue a sequence past {tuned - 1} tokens")
 
 
 def _check_pure_mask(layer: str, attn_mask: torch.Tensor | None) -> None:
