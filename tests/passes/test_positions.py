@@ -193,6 +193,10 @@ def _learned_positions_model(name: str, impl: str) -> torch.nn.Module:
                                                     intermediate_size=128, hidden_dropout_prob=0.0, **small),
         "gpt_bigcode": lambda: transformers.GPTBigCodeConfig(n_layer=2, n_head=4, n_embd=64, n_positions=256,
                                                              vocab_size=256, bos_token_id=None, eos_token_id=None),
+        "roformer": lambda: transformers.RoFormerConfig(  # its rotary sin/cos are rows of a sinusoidal table
+            hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128, vocab_size=256,
+            embedding_size=64, max_position_embeddings=256, is_decoder=True, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, pad_token_id=0),
     }[name]()
     config._attn_implementation = impl
     torch.manual_seed(0)
@@ -200,7 +204,7 @@ def _learned_positions_model(name: str, impl: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("name,impl", [("gpt2", "sdpa"), ("gpt2", "eager"), ("opt", "eager"), ("biogpt", "sdpa"),
-                                       ("gpt_bigcode", "sdpa")])
+                                       ("gpt_bigcode", "sdpa"), ("roformer", "eager")])
 def test_learned_position_tables_continue_from_the_store(name, impl):
     """GPT-2 / GPTBigCode / BioGPT number a chunk `arange(T) + 0`, OPT counts a mask of ones; the
     table rows they pick must continue from the store as they do from HF's cache."""
