@@ -101,7 +101,7 @@ def generate(
     _check_ids_in_vocab(input_ids, vocab)
     eos, pad = _special_tokens(model, eos_token_id, pad_token_id, vocab)
 
-    declared_attention.declare(model)
+    elsewhere = declared_attention.declare(model)  # state outside attention a session cannot carry
     session = active or Session(config)
     chunk = prefill_chunk_size if prefill_chunk_size is not None else session.config.prefill_chunk_size
     batch, prompt = input_ids.shape
@@ -115,23 +115,23 @@ def generate(
         session.clear()
         calls_before = session.calls
         forward = _SessionForward(model, session)
-        elsewhere = declared_attention.state_outside_attention(model)
+
+        def on_the_models_own_cache(why: str):
+            warnings.warn(f"kvtopo.generate: {why}, so nothing is compressed; generating with the model's own cache "
+                          "instead", stacklevel=3)
+            uncompressed = _UncompressedForward(model)
+            return uncompressed, _prefill(uncompressed, input_ids, positions, mask, prompt, bar)
+
         if elsewhere is not None:
-            warnings.warn(f"kvtopo.generate: this model keeps state outside attention ({elsewhere}), which a "
-                          "kvtopo session does not carry between calls, so nothing is compressed; generating "
-                          "with the model's own cache instead", stacklevel=2)
-            forward = _UncompressedForward(model)
-            logits = _prefill(forward, input_ids, positions, mask, prompt, bar)
+            forward, logits = on_the_models_own_cache(f"this model keeps state outside attention ({elsewhere}), "
+                                                      "which a kvtopo session does not carry between calls")
         else:
             try:
                 logits = _prefill(forward, input_ids, positions, mask, chunk, bar)
             except RefusedAttention as refused:
                 if refused.report.sites or session.calls != calls_before:
                     raise
-                warnings.warn(f"kvtopo.generate: no attention site of this model was rewritten, so nothing is "
-                              f"compressed; generating with the model's own cache instead ({refused})", stacklevel=2)
-                forward = _UncompressedForward(model)
-                logits = _prefill(forward, input_ids, positions, mask, prompt, bar)
+                forward, logits = on_the_models_own_cache(f"no attention site of this model was rewritten ({refused})")
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         last_pos = positions[:, -1]
         all_valid = torch.ones(batch, 1, dtype=torch.bool, device=device)

@@ -198,8 +198,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     if bool((mask.long().cummax(1).values.bool() != mask).any()):
         raise ValueError("attention_mask must be left-padded (no padding after a real token)")
     padding = (~mask).sum(1).tolist()
-    _check_continuation(next(iter(session.model_layers(model)), None), padding)
     cache = SessionCache(session, padding=padding if any(padding) else None, model=model)
+    _check_continuation(cache.first_layer(), padding)
     _check_prompt_continues(cache, input_ids)
     output = _generate(model, session, cache, input_ids, attention_mask, padding, generate_kwargs)
     sequences = getattr(output, "sequences", output)  # a tensor, or a GenerateOutput's

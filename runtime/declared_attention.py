@@ -114,10 +114,11 @@ def _declared_for(module: torch.nn.Module, config, index: int, state_elsewhere: 
     )
 
 
-def declare(model: torch.nn.Module) -> None:
+def declare(model: torch.nn.Module) -> str | None:
     """Register what `model`'s config says of its attention modules (HF modules with a
     `layer_idx`): windows and blocks (`config.layer_types`, else `config.sliding_window` for every
-    layer), modules that are not causal, LongRoPE's switch, state a hybrid keeps elsewhere."""
+    layer), modules that are not causal, LongRoPE's switch, state a hybrid keeps elsewhere.
+    Returns that state outside attention (`state_outside_attention`), None if there is none."""
     model = getattr(model, "_orig_mod", model)  # what torch.compile wraps: its names are the graph's
     declared, state_elsewhere = {}, state_outside_attention(model)
     for name, module in model.named_modules():
@@ -130,6 +131,7 @@ def declare(model: torch.nn.Module) -> None:
         if id(parameter) not in _DECLARED:
             weakref.finalize(parameter, _DECLARED.pop, id(parameter), None)
         _DECLARED[id(parameter)] = (weakref.ref(parameter), declared)
+    return state_elsewhere
 
 
 def declared(model_key: torch.Tensor | None, layer: str) -> Declared | None:
