@@ -1,4 +1,5 @@
-"""`kvtopo::positions`: a chunk's token positions, continued from what the session holds.
+"""`kvtopo::positions`: a chunk's token positions, continued from what the session holds;
+`kvtopo::given_positions`: positions the caller passed, checked against what it holds.
 
 An HF decoder called without `position_ids` and without a cache numbers its tokens
 `arange(T) + 0`, so a second chunk fed to a kvtopo-compiled model inside a session would get
@@ -12,6 +13,14 @@ The op reads session state that the attention ops write, so it is registered wit
 ORDERED effect as they are (kernels/effects.py): the compiler cannot fold `arange` + op into a
 constant, drop it, or move it past an attention call. For export (cache-free graphs) it
 decomposes to the identity, and the effect is withdrawn there like the attention ops'.
+
+Positions the caller passes (`position_ids`, `cache_position`, or a count a graph break left in
+another graph) are the caller's to get right, but one mistake is certain: every row numbered
+0..T-1 again while the session holds the model's earlier tokens. That is a forward recomputing
+the whole sequence (HF `generate(use_cache=False)`, which would store it again each step), a new
+prompt in a session that holds another, or a model that counts its positions in another graph
+than its attention (CTRL): each would attend over a history its positions say is not there.
+`kvtopo::given_positions` raises on it.
 """
 
 from __future__ import annotations
@@ -45,8 +54,38 @@ def _positions_decomposition(positions, model_key):
     return positions.clone()
 
 
-DECOMPOSITIONS[torch.ops.kvtopo.positions.default] = _positions_decomposition
+@torch.library.custom_op("kvtopo::given_positions", mutates_args=())
+def given_positions(positions: torch.Tensor, model_key: torch.Tensor) -> torch.Tensor:
+    """`positions` ([T] or [B, T], passed to the graph) unchanged (a copy); raises inside a session
+    that stores tokens for `model_key`'s model when every row of them restarts at 0."""
+    session = active_store()
+    if session is not None:
+        stored = session.model_length(model_key)
+        if stored and restart_at_zero(positions):
+            raise RuntimeError(
+                f"kvtopo: this forward numbers its {positions.shape[-1]} token(s) from 0 while the session holds "
+                f"{stored} earlier token(s) of this model: it would attend over a history its positions say is "
+                "not there. A forward that recomputes the whole sequence (generate(use_cache=False)) or starts a "
+                "new prompt needs a new session or session.clear(); a continuation's positions start at the "
+                "stored length (kvtopo.generate and kvtopo.hf_cache pass them).")
+    return positions.clone()
 
-_entry = singleton.find("kvtopo::positions")
-if not isinstance(_entry.effect, _SessionEffect):
-    _entry.effect = _SessionEffect("kvtopo::positions")
+
+def restart_at_zero(positions: torch.Tensor) -> bool:
+    """Every row of `positions` ([..., T]) is 0, 1, ..., T-1."""
+    count = torch.arange(positions.shape[-1], device=positions.device, dtype=positions.dtype)
+    return bool((positions == count).all())
+
+
+@given_positions.register_fake
+def _given_positions_fake(positions, model_key):
+    return torch.empty_like(positions)
+
+
+DECOMPOSITIONS[torch.ops.kvtopo.positions.default] = _positions_decomposition
+DECOMPOSITIONS[torch.ops.kvtopo.given_positions.default] = _positions_decomposition
+
+for _qualname in ("kvtopo::positions", "kvtopo::given_positions"):
+    _entry = singleton.find(_qualname)
+    if not isinstance(_entry.effect, _SessionEffect):
+        _entry.effect = _SessionEffect(_qualname)

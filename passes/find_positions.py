@@ -1,4 +1,5 @@
-"""Continue a chunk's positions from the session's store when the graph computed them from 0.
+"""Continue a chunk's positions from the session's store when the graph computed them from 0, and
+check the positions a caller passes.
 
 An HF decoder called without `position_ids` computes them itself,
 `arange(T) + past_seen_tokens`, and without a cache `past_seen_tokens` is 0, which Dynamo records
@@ -19,7 +20,10 @@ embedding or an index into a table the model holds (GPT-2's, OPT's, BioGPT's lea
 embeddings) that feeds the query or key of a rewritten kvtopo attention op. A graph that takes
 `position_ids` as an input (kvtopo.generate, HF generate, export) or whose start comes from a
 cache (`get_seq_length()`, a SymInt input or a non-zero constant: then the count is longer than
-the query) has no such node and is left unchanged.
+the query) has no such node. An integer input of the query's length that reaches the cos/sin or
+a table the same way (`position_ids`, `cache_position`, or a count a graph break left in another
+graph, as CTRL's) goes through `torch.ops.kvtopo.given_positions` instead, which raises when every
+row restarts at 0 over a stored history.
 
 HF's masks stay valid under the shift: with an in-graph `DynamicCache` the mask is built from the
 cache's offsets (not from the positions); without a cache, the packed-sequence check only looks at
@@ -38,7 +42,7 @@ import torch.nn.functional as F
 
 import kvtopo.kernels.ops  # noqa: F401  (registers torch.ops.kvtopo.*, positions included)
 
-from .graph_utils import ancestor_nodes, is_call, model_tensor
+from .graph_utils import ancestor_nodes, is_call, model_tensor, source_name
 
 _ATTENTION_OPS = {
     # op -> the names of its arguments that carry RoPE (query and key)
@@ -49,12 +53,9 @@ _ATTENTION_OPS = {
 
 @dataclass(frozen=True)
 class PositionSite:
-    node: fx.Node  # the chunk's count: from 0 (`add(arange(T), 0)`, the arange) or from 1 (`cumsum(mask)`)
+    node: fx.Node  # the chunk's count from 0 (`add(arange(T), 0)`, an arange, `cumsum(mask)`) or a position input
     model_key: fx.Node  # the parameter the attention ops it feeds name their model by
     layers: tuple[str, ...]  # the attention ops whose query/key it rotates
-
-    def describe(self) -> str:
-        return f"positions {self.node.name} (rotating {', '.join(self.layers)}) continue from the store"
 
 
 def _op_arg(node: fx.Node, name: str):
@@ -215,42 +216,97 @@ def _token_dim(node) -> str | None:
     return str(value.shape[-2])
 
 
+def _fed_attention(graph: fx.Graph) -> list[tuple[set[fx.Node], str | None, object, object]]:
+    """For each kvtopo attention op: the ancestors of its RoPE'd inputs, its query's token count,
+    its layer and its model key."""
+    fed = []
+    for op in graph.nodes:
+        if op.op == "call_function" and op.target in _ATTENTION_OPS:
+            ancestors = ancestor_nodes([_op_arg(op, name) for name in _ATTENTION_OPS[op.target]])
+            fed.append((ancestors, _token_dim(_op_arg(op, "query")), _op_arg(op, "layer"), _op_arg(op, "model_key")))
+    return fed
+
+
+def _site(pos: fx.Node, tokens: str, fed: list, tables: bool = True) -> PositionSite | None:
+    """`pos` as a site when its cos/sin (or, with `tables`, table rows) reach the q/k of attention
+    ops of one model whose queries are as long as it."""
+    reached = {n for n in _descendants(pos) if _is_rotary(n)} | (_looked_up_tables(pos) if tables else set())
+    rotated = [(layer, key) for ancestors, query_tokens, layer, key in fed if reached & ancestors and query_tokens == tokens]
+    keys = {key for _, key in rotated}
+    # Without a model key a session cannot tell whose store to continue from.
+    if len(keys) != 1 or not isinstance(next(iter(keys)), fx.Node):
+        return None
+    return PositionSite(pos, keys.pop(), tuple(layer for layer, _ in rotated))
+
+
 def find_position_sites(gm: fx.GraphModule) -> list[PositionSite]:
     """Every position computation counted from the chunk's start whose cos/sin or table rows reach a
     kvtopo attention op's q/k."""
-    graph = gm.graph
-    attention = [n for n in graph.nodes if n.op == "call_function" and n.target in _ATTENTION_OPS]
-    if not attention:
+    fed = _fed_attention(gm.graph)
+    if not fed:
         return []
-    # For each op: the ancestors of its RoPE'd inputs, and its query's token count.
-    fed = []
-    for op in attention:
-        ancestors = ancestor_nodes([_op_arg(op, name) for name in _ATTENTION_OPS[op.target]])
-        fed.append((ancestors, _token_dim(_op_arg(op, "query")), _op_arg(op, "layer"), _op_arg(op, "model_key")))
-
     sites = []
-    for node in graph.nodes:
+    for node in gm.graph.nodes:
         tokens = _chunk_length(node)
         pos = _positions_node(node) if tokens is not None else None
-        if pos is None:
-            continue
-        reached = {n for n in _descendants(pos) if _is_rotary(n)} | _looked_up_tables(pos)
-        rotated = [(layer, key) for ancestors, query_tokens, layer, key in fed
-                   if reached & ancestors and query_tokens == tokens]
-        keys = {key for _, key in rotated}
-        # Without a model key a session cannot tell whose store to continue from.
-        if len(keys) != 1 or not isinstance(next(iter(keys)), fx.Node):
-            continue
-        sites.append(PositionSite(pos, keys.pop(), tuple(layer for layer, _ in rotated)))
+        site = _site(pos, tokens, fed) if pos is not None else None
+        if site is not None:
+            sites.append(site)
     return sites
 
 
 def rewrite_position_sites(gm: fx.GraphModule, sites: list[PositionSite]) -> int:
     """Put `kvtopo.positions(pos, model_key)` between each site's positions and all their users."""
+    return _route(gm, sites, torch.ops.kvtopo.positions.default)
+
+
+def _given_length(node: fx.Node) -> str | None:
+    """The token count of integer positions passed to the graph, [T] or [B, T] (`position_ids`,
+    `cache_position`, or a count made in another graph than the attention)."""
+    value = node.meta.get("example_value")
+    if node.op != "placeholder" or model_tensor(node) or not isinstance(value, torch.Tensor):
+        return None
+    if value.dim() not in (1, 2) or value.dtype not in (torch.int64, torch.int32):
+        return None
+    return str(value.shape[-1])
+
+
+def _named_positions(node: fx.Node) -> bool:
+    """An input the caller named as positions (`position_ids`, `cache_position`, `pos`): token ids
+    pick rows of a table too (the token embedding), so only a named input is taken for a table's."""
+    return "pos" in (source_name(node) or node.name).lower()
+
+
+def find_given_position_sites(gm: fx.GraphModule) -> list[PositionSite]:
+    """Every graph input of positions whose cos/sin, or (named as positions) table rows, reach a
+    kvtopo attention op's q/k (checked by `kvtopo.given_positions`: a restart at 0 over a stored
+    history raises)."""
+    fed = _fed_attention(gm.graph)
+    sites = []
+    for node in gm.graph.nodes if fed else ():
+        tokens = _given_length(node)
+        site = _site(node, tokens, fed, tables=_named_positions(node)) if tokens is not None else None
+        if site is not None:
+            sites.append(site)
+    return sites
+
+
+def rewrite_given_position_sites(gm: fx.GraphModule, sites: list[PositionSite]) -> int:
+    """Put `kvtopo.given_positions(pos, model_key)` between each site's input and all its users."""
+    return _route(gm, sites, torch.ops.kvtopo.given_positions.default)
+
+
+def _route(gm: fx.GraphModule, sites: list[PositionSite], op) -> int:
+    """Put `op(pos, model_key)` between each site's positions and all their users, after both (and
+    after the graph's inputs)."""
     graph = gm.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
     for site in sites:
-        with graph.inserting_after(site.node):
-            new = graph.call_function(torch.ops.kvtopo.positions.default, (site.node, site.model_key))
+        after = max(site.node, site.model_key, key=order.__getitem__)
+        while after.next.op == "placeholder":
+            after = after.next
+        with graph.inserting_after(after):
+            new = graph.call_function(op, (site.node, site.model_key))
         new.meta.update({k: v for k, v in site.node.meta.items() if k in ("example_value", "stack_trace")})
         site.node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
     graph.lint()

@@ -113,7 +113,7 @@ def strip_repeat_kv(node: fx.Node) -> tuple[fx.Node, int]:
     return source, heads // kv_heads
 
 
-def _source_name(node: fx.Node) -> str:
+def source_name(node: fx.Node) -> str:
     """Dynamo's source of a placeholder ('' once compilation ends and `grapharg` is dropped)."""
     source = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", "")
     return source() if callable(source) else source
@@ -121,7 +121,7 @@ def _source_name(node: fx.Node) -> str:
 
 def _weight_placeholder(node: fx.Node) -> bool:
     """A lifted parameter/buffer: by Dynamo's source while compiling, else by its lifted name."""
-    source = _source_name(node)
+    source = source_name(node)
     if source:
         return "._parameters[" in source or "._buffers[" in source
     return "_parameters_" in node.name or "_buffers_" in node.name
@@ -132,7 +132,7 @@ def model_tensor(node: fx.Node) -> bool:
     Dynamo lifted (`G[...]`), or a `get_attr`."""
     if node.op == "get_attr":
         return True
-    return node.op == "placeholder" and (_weight_placeholder(node) or _source_name(node).startswith("G[")
+    return node.op == "placeholder" and (_weight_placeholder(node) or source_name(node).startswith("G[")
                                          or node.name.startswith("g_"))
 
 

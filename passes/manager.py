@@ -12,7 +12,8 @@ import dataclasses
 from .find_eager import find_eager_sites
 from .find_mla import find_mla_sites
 from .find_other_attention import find_other_attention
-from .find_positions import find_position_sites, rewrite_position_sites
+from .find_positions import (find_given_position_sites, find_position_sites, rewrite_given_position_sites,
+                             rewrite_position_sites)
 from .find_sdpa import find_sdpa_sites
 from .rewrite import rewrite_mla_sites, rewrite_sites
 from .site import Refusal
@@ -26,10 +27,12 @@ PASSES = (
     (find_other_attention, None),  # refusals only: FlexAttention, aten SDPA kernels, nn.MultiheadAttention
 )
 
-# (finder, rewriter) pairs run after the attention passes over the rewritten graph; what they find
-# are not attention sites (finder(gm) -> found, rewriter(gm, found) -> how many were rewritten).
+# (report field, finder, rewriter) run after the attention passes over the rewritten graph; what
+# they find are not attention sites (finder(gm) -> found, rewriter(gm, found) -> how many were
+# rewritten, added to the report's field).
 GRAPH_PASSES = (
-    (find_position_sites, rewrite_position_sites),  # positions computed from 0 continue from the store
+    ("positions", find_position_sites, rewrite_position_sites),  # computed from 0: continued from the store
+    ("given_positions", find_given_position_sites, rewrite_given_position_sites),  # passed in: checked
 )
 
 
@@ -39,6 +42,7 @@ class PassReport:
     refusals: list[Refusal] = field(default_factory=list)
     rewritten: int = 0
     positions: int = 0  # position computations routed through kvtopo.positions (find_positions)
+    given_positions: int = 0  # position inputs checked by kvtopo.given_positions (find_positions)
     seconds: float = 0.0
 
     def format(self) -> str:
@@ -72,8 +76,8 @@ def run_passes(gm: fx.GraphModule) -> PassReport:
         report.rewritten += rewriter(gm, sites) if sites else 0
         report.sites += sites
         report.refusals += refusals
-    for finder, rewriter in GRAPH_PASSES:
+    for field_name, finder, rewriter in GRAPH_PASSES:
         found = finder(gm)
-        report.positions += rewriter(gm, found) if found else 0
+        setattr(report, field_name, getattr(report, field_name) + (rewriter(gm, found) if found else 0))
     report.seconds = time.perf_counter() - start
     return report

@@ -116,6 +116,70 @@ def test_one_positions_op_only_when_the_graph_computes_positions_from_zero():
     assert [r.positions for r in REPORTS] == [0]
 
 
+GIVEN = torch.ops.kvtopo.given_positions.default
+
+
+def test_given_positions_are_checked_and_a_restart_over_a_stored_history_raises():
+    """`position_ids` passed in go through `kvtopo.given_positions` (the token ids, which pick rows
+    of a table too, do not): continuing positions are exact, a restart at 0 over the stored tokens
+    raises, and after `clear()` the same call is a new sequence."""
+    model = zoo.build("llama", "eager")
+    graphs = _graphs(model, input_ids=_ids(length=12), position_ids=torch.arange(12)[None])
+    given = [n for g in graphs for n in g.graph.nodes if n.target == GIVEN]
+    assert [r.given_positions for r in REPORTS] == [1] and [r.positions for r in REPORTS] == [0]
+    assert len(given) == 1 and "position_ids" in given[0].args[0].name
+    ids = _ids(seed=5, length=50)
+    expected = _full_logits(model, ids)
+    torch._dynamo.reset()
+    kvtopo.compile(model, inductor=False)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
+        chunks = [model(input_ids=ids[:, a:b], position_ids=torch.arange(a, b)[None]).logits
+                  for a, b in ((0, 20), (20, 49), (49, 50))]
+        with pytest.raises(RuntimeError, match="numbers its 30 token.s. from 0 while the session holds 50"):
+            model(input_ids=ids[:, :30], position_ids=torch.arange(30)[None])
+        assert s.stats().tokens == (50,)  # nothing stored by the refused forward
+        s.clear()
+        again = model(input_ids=ids[:, :30], position_ids=torch.arange(30)[None]).logits
+    torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(again, expected[:, :30], atol=1e-4, rtol=0)
+
+
+def test_generate_without_a_cache_in_a_session_raises():
+    """HF `generate(use_cache=False)` feeds the whole sequence from position 0 every step: inside a
+    session that stores each step's tokens again, so its second step raises (outside one it runs)."""
+    model = zoo.build("llama")
+    ids = _ids(seed=6, length=12)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=3, do_sample=False, use_cache=False)
+    kvtopo.compile(model, inductor=False)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False, use_cache=False), expected)
+        with kvtopo.session(kvtopo.Config.lossless()), pytest.raises(RuntimeError, match="from 0 while the session"):
+            model.generate(ids, max_new_tokens=3, do_sample=False, use_cache=False)
+
+
+def test_positions_a_graph_break_leaves_in_another_graph_are_checked():
+    """CTRL counts its positions, then breaks the graph before its table lookup: the count reaches
+    the attention's graph as an input. Without `position_ids` a second chunk restarts at 0 and
+    raises; `kvtopo.generate`, which passes them, equals HF's tokens."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.CTRLConfig(n_layer=2, n_head=4, n_embd=64, dff=128, vocab_size=256, n_positions=256)
+    model = transformers.CTRLLMHeadModel(config).eval()
+    ids = _ids(seed=8, length=24)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=4, do_sample=False)
+    kvtopo.compile(model, inductor=False)
+    with torch.no_grad():
+        with kvtopo.session(kvtopo.Config.lossless()):
+            model(input_ids=ids[:, :12])
+            assert any(r.given_positions for r in REPORTS), REPORTS
+            with pytest.raises(RuntimeError, match="from 0 while the session holds 12"):
+                model(input_ids=ids[:, 12:])
+        with kvtopo.session(kvtopo.Config.lossless()):
+            assert torch.equal(kvtopo.generate(model, ids, max_new_tokens=4), expected)
+
+
 def test_token_indices_that_only_pick_experts_are_not_positions():
     """Qwen3-MoE numbers its tokens `arange(T)` to dispatch them to experts, and that count reaches
     an index into the experts' weights, but only through a sort: not a position table."""
@@ -160,20 +224,22 @@ def test_compiled_model_outside_a_session_is_unchanged(inductor):
 
 
 class _PositionsModule(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, op):
         super().__init__()
+        self.op = op
         self.weight = torch.nn.Parameter(torch.ones(2))
 
     def forward(self, x):
-        return torch.ops.kvtopo.positions(x, self.weight) * 2
+        return self.op(x, self.weight) * 2
 
 
-def test_positions_op_exports_and_decomposes_to_identity():
+@pytest.mark.parametrize("op", [POSITIONS, GIVEN])
+def test_positions_ops_export_and_decompose_to_identity(op):
     from kvtopo.kernels.ops import DECOMPOSITIONS
 
     x = torch.arange(6)
-    program = torch.export.export(_PositionsModule(), (x,))
-    assert any(n.target is POSITIONS for n in program.graph.nodes)
+    program = torch.export.export(_PositionsModule(op), (x,))
+    assert any(n.target is op for n in program.graph.nodes)
     decomposed = program.run_decompositions(DECOMPOSITIONS)
     assert not any("kvtopo" in str(n.target) for n in decomposed.graph.nodes)
     assert torch.equal(decomposed.module()(x), x * 2)
