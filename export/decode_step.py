@@ -141,8 +141,15 @@ def kvtopo_cached_mla_attention(query, latent, rope_key, kv_up_weight, attn_mask
     return latent_to_heads(_BINDINGS[-1].attend(layer, q_latent, keys, latent, scale), w_value)
 
 
+def host_positions(positions, model_key):
+    """Replacement target of `kvtopo.given_positions` nodes: the host runner passes the positions
+    and keeps the lengths, so there is no session to check them against."""
+    return positions
+
+
 _REPLACEMENTS = {torch.ops.kvtopo.attention.default: kvtopo_cached_attention,
-                 torch.ops.kvtopo.mla_attention.default: kvtopo_cached_mla_attention}
+                 torch.ops.kvtopo.mla_attention.default: kvtopo_cached_mla_attention,
+                 torch.ops.kvtopo.given_positions.default: host_positions}
 
 
 class DecodeStep(nn.Module):
