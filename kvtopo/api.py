@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtopo import hf_cache
 from kvtopo.config import Config
 from kvtopo.passes.manager import PassReport, run_passes
 from kvtopo.runtime import context, declared_attention
@@ -19,11 +20,13 @@ def compile(model: torch.nn.Module, *, inductor: bool = True, dynamic: bool | No
     In place (`nn.Module.compile`) so that HF `model.generate(...)`, which calls the module
     itself, runs the compiled forward too. Registers the sliding windows and blocks an HF
     model's config declares (`runtime/declared_attention`), which a graph whose mask HF skipped
-    cannot show.
+    cannot show, and makes its `generate` through a `SessionCache` check that a prompt continues
+    what the session holds (`hf_cache.check_prompts`).
     """
     declared_attention.declare(model)
     model.compile(backend="kvtopo", options={"inductor": inductor}, dynamic=dynamic)
     model._compiled_call_impl = _attends_through_the_session(model._compiled_call_impl, type(model).__name__)
+    hf_cache.check_prompts(model)
     return model
 
 

@@ -46,6 +46,8 @@ tokens alone.
 
 from __future__ import annotations
 
+import functools
+import types
 import weakref
 from contextlib import ExitStack
 
@@ -71,6 +73,7 @@ class SessionCache(Cache):
         self.session = session
         self.padding = padding
         self.model = getattr(model, "_orig_mod", model)
+        self.checking_prompts = False  # inside `_continuing`: the generate running is checked once
 
     def __repr__(self) -> str:
         return f"SessionCache(session={self.session!r})"
@@ -200,23 +203,52 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     padding = (~mask).sum(1).tolist()
     cache = SessionCache(session, padding=padding if any(padding) else None, model=model)
     _check_continuation(cache.first_layer(), padding)
+    return _continuing(cache, input_ids,
+                       lambda: _generate(model, session, cache, input_ids, attention_mask, padding, generate_kwargs))
+
+
+def check_prompts(model: torch.nn.Module) -> None:
+    """Make `model.generate(..., cache=SessionCache(s))` check, as `generate` does, that its prompt
+    starts with the token ids the session holds for the model (kvtopo.compile calls it): HF would cut
+    any prompt at the stored length and continue the stored text."""
+    if callable(getattr(type(model), "generate", None)) and "generate" not in vars(model):
+        model.generate = types.MethodType(_generate_checking_prompts, model)
+
+
+def _generate_checking_prompts(model: torch.nn.Module, *args, **kwargs):
+    """The model class's `generate`, with `_continuing` around it when given a SessionCache."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    run = functools.partial(type(model).generate, model, *args, **kwargs)
+    if not isinstance(cache, SessionCache) or not isinstance(input_ids, torch.Tensor) or cache.checking_prompts:
+        return run()
+    return _continuing(cache, input_ids, run)
+
+
+# The token ids a model's stores hold, recorded by `_continuing` (keyed by the model's first layer
+# store, so `session.clear()`, which drops the stores, drops the record too).
+_FED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _continuing(cache: SessionCache, input_ids: torch.Tensor, run):
+    """`run()` (an HF generate through `cache` from `input_ids`), refused when the prompt does not
+    start with the ids the session holds; records the ids it leaves stored."""
     _check_prompt_continues(cache, input_ids)
-    output = _generate(model, session, cache, input_ids, attention_mask, padding, generate_kwargs)
+    cache.checking_prompts = True
+    try:
+        output = run()
+    finally:
+        cache.checking_prompts = False
     sequences = getattr(output, "sequences", output)  # a tensor, or a GenerateOutput's
     if (first_layer := cache.first_layer()) is not None and sequences.shape[1] >= cache.get_seq_length():
         _FED[first_layer] = sequences[:, :cache.get_seq_length()].clone()
     return output
 
 
-# The token ids a model's stores hold, recorded by `generate` (keyed by the model's first layer
-# store, so `session.clear()`, which drops the stores, drops the record too).
-_FED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _check_prompt_continues(cache: SessionCache, input_ids: torch.Tensor) -> None:
     """HF generate takes the first `get_seq_length()` columns of a prompt as stored: a prompt that
     does not start with what the session holds would be cut there and attend over another text.
-    Checked when the stores hold exactly what the last `generate` left (nothing else fed them)."""
+    Checked when the stores hold exactly what the last checked generate left (nothing else fed them)."""
     first_layer = cache.first_layer()
     fed = _FED.get(first_layer) if first_layer is not None else None
     columns = cache.get_seq_length()
@@ -228,7 +260,7 @@ def _check_prompt_continues(cache: SessionCache, input_ids: torch.Tensor) -> Non
         problem = "the prompt does not start with them (HF generate would cut it there and continue the stored text)"
     else:
         return
-    raise ValueError(f"kvtopo.hf_cache.generate: the session holds {columns} columns of token ids for this model and "
+    raise ValueError(f"kvtopo: the session holds {columns} columns of token ids for this model and "
                      f"{problem}; pass the whole history plus the new turn, or start a new session (or session.clear())")
 
 

@@ -1,5 +1,7 @@
 """HF `model.generate` on a kvtopo-compiled model through the tensor-free SessionCache adapter."""
 
+import copy
+
 import pytest
 import torch
 
@@ -262,3 +264,22 @@ def test_a_prompt_that_does_not_continue_the_stored_ids_raises():
         continued = kvtopo.hf_cache.generate(model, torch.cat([ids, ids[:, :5]], 1), max_new_tokens=4, do_sample=False)
     assert first.shape == (1, 15)
     assert torch.equal(continued, expected)
+
+
+def test_hf_generate_on_a_compiled_model_checks_its_prompt_too():
+    """`model.generate(..., cache=SessionCache(s))` called directly on a kvtopo.compile'd model is
+    checked as `hf_cache.generate` is: the full history plus a turn continues, an unrelated prompt
+    raises and stores nothing. A deep copy's check is its own."""
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    ids, other = _prompt(length=20, seed=3), _prompt(length=30, seed=4)
+    with torch.no_grad():
+        expected = zoo.build("llama").generate(ids, max_new_tokens=8, do_sample=False)
+    with kvtopo.session(kvtopo.Config.lossless()) as s, torch.no_grad():
+        cache = SessionCache(s, model=model)
+        first = model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache)
+        with pytest.raises(ValueError, match="the prompt does not start with them"):
+            model.generate(other, max_new_tokens=4, do_sample=False, cache=cache)
+        assert s.stats().tokens == (23,)
+        second = model.generate(first, max_new_tokens=4, do_sample=False, cache=cache)
+    assert torch.equal(second, expected)
+    assert copy.deepcopy(model).generate.__self__ is not model
