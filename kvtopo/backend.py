@@ -1,7 +1,10 @@
 """The `torch.compile` backend: `torch.compile(model, backend="kvtopo")`.
 
 Registered through the `torch_dynamo_backends` entry point, so the name works in a fresh process
-without importing kvtopo first.
+without importing kvtopo first. What a model's config declares and its graphs cannot show (windows
+HF builds no mask for, modules that are not causal, LongRoPE's switch, a hybrid's state,
+`runtime/declared_attention.py`) is registered here for the module whose forward Dynamo compiles,
+as `kvtopo.compile` registers it, so that a bare `torch.compile` gets the same checks.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtopo.passes.manager import PassReport, run_passes
+from kvtopo.runtime import declared_attention
 from kvtopo.runtime.context import active_session
 
 log = logging.getLogger("kvtopo")
@@ -83,8 +87,34 @@ class BackendOptions:
         return cls(**options)
 
 
+def _compiled_module(example_inputs) -> torch.nn.Module | None:
+    """The module whose forward Dynamo is compiling: among the locals of the frame it traces (`self`,
+    or a wrapper's arguments, as transformers' decorators take them), the one holding most of the
+    graph's parameters; None when there is none (a plain function) or Dynamo's frame cannot be read."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        frame = InstructionTranslator.current_tx()
+    except Exception as error:  # Dynamo's internals moved
+        log.warning("kvtopo cannot read the frame Dynamo compiles (%s): what the model's config declares is "
+                    "registered only by kvtopo.compile / kvtopo.generate / kvtopo.hf_cache.generate", error)
+        return None
+    if frame is None:
+        return None
+    inputs = {id(t) for t in example_inputs if isinstance(t, torch.Tensor)}
+    best, most = None, 0
+    for value in frame.f_locals.values():
+        for candidate in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(candidate, torch.nn.Module):
+                held = sum(id(p) in inputs for p in candidate.parameters())
+                best, most = (candidate, held) if held > most else (best, most)
+    return best
+
+
 def kvtopo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
     opts = BackendOptions.from_dict(options, mode)
+    if (module := _compiled_module(example_inputs)) is not None:
+        declared_attention.declare(module)
     report = run_passes(gm)
     REPORTS.append(report)
     log.info("%s", report.format())

@@ -9,7 +9,8 @@ either. And a LongRoPE model (Phi-3) rotates with another factor once its positi
 Llama-4's NoPE layers scale their queries by a factor of a position they count from 0 without a cache.
 A hybrid model (Mamba-2 in Bamba, LFM2's short convolutions, Qwen3-Next's gated delta rule) keeps
 state outside attention that HF's cache carries and a session does not.
-`kvtopo.compile`, `kvtopo.generate` and `hf_cache.generate` register the model here; the session
+`kvtopo.compile`, `kvtopo.generate`, `hf_cache.generate` and the backend (for the module whose
+forward Dynamo compiles, so a bare `torch.compile` too) register the model here; the session
 looks up the attention module it is called for (`Session.attend`): a declared sliding window is
 applied (exactly what the model does), a block layer (Llama-4's `attention_chunk_size`) and a
 bidirectional layer are refused when the graph shows no mask, a chunk that carries a stored

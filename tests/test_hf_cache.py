@@ -170,15 +170,22 @@ def _greedy_recompute(model, ids, steps):
 
 @pytest.mark.parametrize("name", ["mistral-sw", "gemma3"])
 @pytest.mark.parametrize("prompt", [7, 40])
-def test_windowed_models_keep_their_window_when_hf_builds_no_mask(name, prompt):
+@pytest.mark.parametrize("bare", [False, True], ids=["kvtopo.compile", "Module.compile"])
+def test_windowed_models_keep_their_window_when_hf_builds_no_mask(name, prompt, bare):
     """Without padding HF builds no mask for a chunk no longer than the window (every decode step
-    here), so the graph shows no window; the session applies the one the config declares. Before,
-    a 7-token prompt attended over the whole history once past the window (logits off by up to
-    1.3) and a 40-token one raised a window mismatch."""
+    here), so the graph shows no window; the session applies the one the config declares, also
+    when the model was compiled with the backend alone (`Module.compile(backend="kvtopo")`: the
+    backend registers it). Before, a 7-token prompt attended over the whole history once past the
+    window (logits off by up to 1.3) and a 40-token one raised a window mismatch."""
     model = zoo.build(name)
     ids = _prompt(length=prompt, seed=7)
     expected = _greedy_recompute(model, ids, 24)
-    compiled = kvtopo.compile(zoo.build(name))
+    torch._dynamo.reset()
+    compiled = zoo.build(name)
+    if bare:
+        compiled.compile(backend="kvtopo")
+    else:
+        kvtopo.compile(compiled)
     with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
         got = compiled.generate(ids, max_new_tokens=24, do_sample=False, cache=SessionCache(s))
     assert torch.equal(got, expected)

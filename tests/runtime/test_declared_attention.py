@@ -15,13 +15,30 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_a_bidirectional_encoder_called_one_token_at_a_time_raises():
+def _compiled(model, how: str):
+    """`model` compiled by `kvtopo.compile`, by `Module.compile(backend="kvtopo")` (in place) or by
+    `torch.compile(model, backend="kvtopo")` (a wrapper); the backend alone registers what the
+    config declares in the last two."""
+    options = {"inductor": False}
+    if how == "kvtopo.compile":
+        return kvtopo.compile(model, inductor=False)
+    if how == "Module.compile":
+        model.compile(backend="kvtopo", options=options)
+        return model
+    return torch.compile(model, backend="kvtopo", options=options)
+
+
+COMPILES = ["kvtopo.compile", "Module.compile", "torch.compile"]
+
+
+@pytest.mark.parametrize("how", COMPILES)
+def test_a_bidirectional_encoder_called_one_token_at_a_time_raises(how):
     """A one-token graph has no later token to hide, so neither the passes nor the chunk check can
     tell BERT from a decoder; its modules say `is_causal = False`, and the session refuses."""
     config = transformers.BertConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                                      intermediate_size=128, vocab_size=256, max_position_embeddings=64)
     config._attn_implementation = "sdpa"
-    model = kvtopo.compile(transformers.BertModel(config, add_pooling_layer=False).eval(), inductor=False)
+    model = _compiled(transformers.BertModel(config, add_pooling_layer=False).eval(), how)
     with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
         with pytest.raises(ValueError, match="not causal"):
             model(input_ids=torch.tensor([[5]]))
@@ -74,10 +91,11 @@ def _lfm2():
     return transformers.Lfm2ForCausalLM(config).eval()
 
 
-def test_a_hybrid_model_is_not_continued_in_a_session():
+@pytest.mark.parametrize("how", COMPILES)
+def test_a_hybrid_model_is_not_continued_in_a_session(how):
     """LFM2's short convolutions carry the last tokens into the next call through HF's cache; a
     session stores only attention, so a second call would start them from zeros."""
-    model = kvtopo.compile(_lfm2(), inductor=False)
+    model = _compiled(_lfm2(), how)
     ids = _prompt(24, 3)
     with torch.no_grad():
         expected = model(input_ids=ids, use_cache=False).logits
