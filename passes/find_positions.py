@@ -20,9 +20,9 @@ embedding or an index into a table the model holds (GPT-2's, OPT's, BioGPT's lea
 embeddings) that feeds the query or key of a rewritten kvtopo attention op. A graph that takes
 `position_ids` as an input (kvtopo.generate, HF generate, export) or whose start comes from a
 cache (`get_seq_length()`, a SymInt input or a non-zero constant: then the count is longer than
-the query) has no such node. An integer input of the query's length that reaches the cos/sin or
-a table the same way (`position_ids`, `cache_position`, or a count a graph break left in another
-graph, as CTRL's) goes through `torch.ops.kvtopo.given_positions` instead, which raises when every
+the query) has no such node. An integer input of the query's length named as positions that
+reaches the cos/sin or a table the same way (`position_ids`, `cache_position`, or a count a graph
+break left in another graph, as CTRL's) goes through `torch.ops.kvtopo.given_positions` instead, which raises when every
 row restarts at 0 over a stored history.
 
 HF's masks stay valid under the shift: with an in-graph `DynamicCache` the mask is built from the
@@ -227,10 +227,10 @@ def _fed_attention(graph: fx.Graph) -> list[tuple[set[fx.Node], str | None, obje
     return fed
 
 
-def _site(pos: fx.Node, tokens: str, fed: list, tables: bool = True) -> PositionSite | None:
-    """`pos` as a site when its cos/sin (or, with `tables`, table rows) reach the q/k of attention
-    ops of one model whose queries are as long as it."""
-    reached = {n for n in _descendants(pos) if _is_rotary(n)} | (_looked_up_tables(pos) if tables else set())
+def _site(pos: fx.Node, tokens: str, fed: list) -> PositionSite | None:
+    """`pos` as a site when its cos/sin or table rows reach the q/k of attention ops of one model
+    whose queries are as long as it."""
+    reached = {n for n in _descendants(pos) if _is_rotary(n)} | _looked_up_tables(pos)
     rotated = [(layer, key) for ancestors, query_tokens, layer, key in fed if reached & ancestors and query_tokens == tokens]
     keys = {key for _, key in rotated}
     # Without a model key a session cannot tell whose store to continue from.
@@ -261,31 +261,26 @@ def rewrite_position_sites(gm: fx.GraphModule, sites: list[PositionSite]) -> int
 
 
 def _given_length(node: fx.Node) -> str | None:
-    """The token count of integer positions passed to the graph, [T] or [B, T] (`position_ids`,
-    `cache_position`, or a count made in another graph than the attention)."""
+    """The token count of integer positions passed to the graph, [T] or [B, T], named as positions
+    (`position_ids`, `cache_position`, `pos`, as Dynamo names an input after its source): token ids
+    pick rows of a table too (the token embedding), and a mask may be counted into positions, so an
+    input is taken for positions by its name."""
     value = node.meta.get("example_value")
     if node.op != "placeholder" or model_tensor(node) or not isinstance(value, torch.Tensor):
         return None
     if value.dim() not in (1, 2) or value.dtype not in (torch.int64, torch.int32):
         return None
-    return str(value.shape[-1])
-
-
-def _named_positions(node: fx.Node) -> bool:
-    """An input the caller named as positions (`position_ids`, `cache_position`, `pos`): token ids
-    pick rows of a table too (the token embedding), so only a named input is taken for a table's."""
-    return "pos" in (source_name(node) or node.name).lower()
+    return str(value.shape[-1]) if "pos" in (source_name(node) or node.name).lower() else None
 
 
 def find_given_position_sites(gm: fx.GraphModule) -> list[PositionSite]:
-    """Every graph input of positions whose cos/sin, or (named as positions) table rows, reach a
-    kvtopo attention op's q/k (checked by `kvtopo.given_positions`: a restart at 0 over a stored
-    history raises)."""
+    """Every graph input of positions whose cos/sin or table rows reach a kvtopo attention op's q/k
+    (checked by `kvtopo.given_positions`: a restart at 0 over a stored history raises)."""
     fed = _fed_attention(gm.graph)
     sites = []
     for node in gm.graph.nodes if fed else ():
         tokens = _given_length(node)
-        site = _site(node, tokens, fed, tables=_named_positions(node)) if tokens is not None else None
+        site = _site(node, tokens, fed) if tokens is not None else None
         if site is not None:
             sites.append(site)
     return sites
