@@ -25,12 +25,12 @@ def compile(model: torch.nn.Module, *, inductor: bool = True, dynamic: bool | No
     """
     declared_attention.declare(model)
     model.compile(backend="kvtopo", options={"inductor": inductor}, dynamic=dynamic)
-    model._compiled_call_impl = _attends_through_the_session(model._compiled_call_impl, type(model).__name__)
+    model._compiled_call_impl = attends_through_the_session(model._compiled_call_impl, type(model).__name__)
     hf_cache.check_prompts(model)
     return model
 
 
-def _attends_through_the_session(compiled_call, name: str):
+def attends_through_the_session(compiled_call, name: str):
     """`compiled_call`, raising when a call made inside a session ran no kvtopo attention: Dynamo
     ran the forward uncompiled (its recompile_limit reached, shared by every frame of the process)
     or the model has no attention kvtopo rewrites, so its tokens attended over themselves alone and

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtopo.api import attends_through_the_session
 from kvtopo.passes.manager import PassReport, run_passes
 from kvtopo.runtime import declared_attention
 from kvtopo.runtime.context import active_session
@@ -111,10 +112,20 @@ def _compiled_module(example_inputs) -> torch.nn.Module | None:
     return best
 
 
+def _check_forwards_attend(module: torch.nn.Module) -> None:
+    """A module compiled in place (`Module.compile(backend="kvtopo")`) gets the check
+    `kvtopo.compile` puts on its call, from its next forward on: one that runs no kvtopo attention
+    inside a session raises (`api.attends_through_the_session`)."""
+    call = getattr(module, "_compiled_call_impl", None)
+    if call is not None and not getattr(call, "kvtopo_session_check", False):
+        module._compiled_call_impl = attends_through_the_session(call, type(module).__name__)
+
+
 def kvtopo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
     opts = BackendOptions.from_dict(options, mode)
     if (module := _compiled_module(example_inputs)) is not None:
         declared_attention.declare(module)
+        _check_forwards_attend(module)
     report = run_passes(gm)
     REPORTS.append(report)
     log.info("%s", report.format())

@@ -145,10 +145,12 @@ def test_llama4_temperature_tuning_cannot_be_continued_past_floor_scale():
         kvtopo.generate(model, ids, max_new_tokens=6)
 
 
-def test_a_model_without_state_or_attention_forward_raises_in_a_session():
+@pytest.mark.parametrize("how", ["kvtopo.compile", "Module.compile"])
+def test_a_model_without_state_or_attention_forward_raises_in_a_session(how):
     """Mamba: nothing kvtopo rewrites, so a forward in a session would drop the history without a
-    word; kvtopo.compile's forward raises, and kvtopo.generate runs it on its own cache (passed back
-    as `cache=`, the keyword its forward takes)."""
+    word; kvtopo.compile's forward raises (a model compiled in place by the backend alone: from its
+    second forward, the first having compiled it), and kvtopo.generate runs it on its own cache
+    (passed back as `cache=`, the keyword its forward takes)."""
     config = transformers.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=256, state_size=8,
                                       pad_token_id=0, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
@@ -156,9 +158,10 @@ def test_a_model_without_state_or_attention_forward_raises_in_a_session():
     ids = _prompt(16, 6)
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=5, do_sample=False)
-    kvtopo.compile(model, inductor=False)
-    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
-        with pytest.raises(RuntimeError, match="ran no kvtopo attention"):
+    _compiled(model, how)
+    with torch.no_grad():
+        model(input_ids=ids[:, :4])
+        with kvtopo.session(kvtopo.Config.lossless()), pytest.raises(RuntimeError, match="ran no kvtopo attention"):
             model(input_ids=ids)
     with pytest.warns(UserWarning, match="keeps state outside attention"):
         assert torch.equal(kvtopo.generate(model, ids, max_new_tokens=5), expected)
