@@ -168,9 +168,8 @@ def _greedy_recompute(model, ids, steps):
     return ids
 
 
-@pytest.mark.parametrize("name", ["mistral-sw", "gemma3"])
-@pytest.mark.parametrize("prompt", [7, 40])
-@pytest.mark.parametrize("bare", [False, True], ids=["kvtopo.compile", "Module.compile"])
+@pytest.mark.parametrize("name,prompt,bare", [(name, prompt, False) for name in ("mistral-sw", "gemma3") for prompt in (7, 40)]
+                         + [(name, 7, True) for name in ("mistral-sw", "gemma3")])
 def test_windowed_models_keep_their_window_when_hf_builds_no_mask(name, prompt, bare):
     """Without padding HF builds no mask for a chunk no longer than the window (every decode step
     here), so the graph shows no window; the session applies the one the config declares, also
