@@ -5,9 +5,10 @@ An HF decoder called without `position_ids` and without a cache numbers its toke
 `arange(T) + 0`, so a second chunk fed to a kvtopo-compiled model inside a session would get
 positions 0..T-1 again although the session's store already holds the earlier tokens (HF's own
 cache would start at its length). `passes/find_positions.py` routes that computed `arange` through
-this op: outside a session it returns its input; inside one it adds the number of tokens the
-session stores for the calling model (`Session.model_length(model_key)`, the model told by one of
-its parameters, as the attention ops tell it), as HF's cache does.
+this op: outside a session it returns its input; inside one it adds the calling model's length
+in the session (`Session.model_length(model_key)`: the batch's columns its forwards attended,
+padding included, as HF's cache counts them; the model told by one of its parameters, as the
+attention ops tell it).
 
 The op reads session state that the attention ops write, so it is registered with the same
 ORDERED effect as they are (kernels/effects.py): the compiler cannot fold `arange` + op into a
@@ -36,8 +37,8 @@ from .ops import DECOMPOSITIONS
 
 @torch.library.custom_op("kvtopo::positions", mutates_args=())
 def positions(positions: torch.Tensor, model_key: torch.Tensor) -> torch.Tensor:
-    """`positions` (the chunk's positions counted from 0) shifted by the tokens the active session
-    stores for the model `model_key` belongs to (the parameter its attention ops pass as their
+    """`positions` (the chunk's positions counted from 0) shifted by the active session's length
+    for the model `model_key` belongs to (the parameter its attention ops pass as their
     `model_key`); unchanged (a copy) outside a session."""
     session = active_store()
     if session is None:

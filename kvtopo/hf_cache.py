@@ -63,15 +63,13 @@ __all__ = ["SessionCache", "generate"]
 class SessionCache(Cache):
     """A `transformers` Cache whose history lives in a kvtopo session (it stores nothing itself)."""
 
-    def __init__(self, session: Session, padding: list[int] | None = None, model: torch.nn.Module | None = None):
-        """`padding`: each batch row's leading padding columns, which the session does not store
-        (`generate` passes them for a left-padded batch). `model`: whose stored length to report,
-        needed when the session holds several models' stores (`generate` passes it)."""
+    def __init__(self, session: Session, model: torch.nn.Module | None = None):
+        """`model`: whose stored length to report, needed when the session holds several models'
+        stores (`generate` passes it)."""
         if not isinstance(session, Session):
             raise TypeError(f"SessionCache(session) takes a kvtopo Session, got {type(session).__name__}")
         super().__init__(layers=[])
         self.session = session
-        self.padding = padding
         self.model = getattr(model, "_orig_mod", model)
         self.checking_prompts = False  # inside `_continuing`: the generate running is checked once
 
@@ -102,16 +100,11 @@ class SessionCache(Cache):
     # graph here and treats the returned length as a dynamic int instead of recompiling per step.
     @torch.compiler.disable(reason="kvtopo SessionCache reads the session's stored length eagerly")
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """The columns of the batch the session holds: its longest sequence's tokens, plus, for a
-        left-padded batch, each row's padding (HF counts columns to know which input ids are new;
-        when every row has padding, the longest row's tokens alone would fall short, and HF would
-        feed a stored token again)."""
+        """The columns of the batch the session holds, padding included (`Session.model_length`):
+        HF counts columns to know which input ids are new; when every row has padding, the longest
+        row's tokens alone would fall short, and HF would feed a stored token again."""
         first = self.first_layer()
-        if first is None or not first.longest():
-            return 0
-        if self.padding is None:
-            return first.longest()
-        return max(first.length(row) + pad for row, pad in enumerate(self.padding))
+        return first.columns if first is not None else 0
 
     def first_layer(self):
         """The store of this cache's model's first layer the session holds (None before any)."""
@@ -201,7 +194,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     if bool((mask.long().cummax(1).values.bool() != mask).any()):
         raise ValueError("attention_mask must be left-padded (no padding after a real token)")
     padding = (~mask).sum(1).tolist()
-    cache = SessionCache(session, padding=padding if any(padding) else None, model=model)
+    cache = SessionCache(session, model=model)
     _check_continuation(cache.first_layer(), padding)
     return _continuing(cache, input_ids,
                        lambda: _generate(model, session, cache, input_ids, attention_mask, padding, generate_kwargs))

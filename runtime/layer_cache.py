@@ -181,6 +181,7 @@ class LayerCache(Lifecycle):
         self.decode_batch_refused = 0  # decode steps to run without one before trying to make one again
         self.decode_batch_candidate = None  # the last decode step's batch (runtime/decode_batch.decode_step)
         self._longest = 0  # the longest sequence's length
+        self.columns = 0  # the batch's tokens attended through `Session.attend`, padding included (HF's cache length)
 
     @property
     def sequences(self) -> dict[int, SequenceKV]:
@@ -637,6 +638,8 @@ class LayerCache(Lifecycle):
                     self.pool.release(page.slot)
         if entry is not None and entry.length == self._longest:
             self._longest = max((e.length for e in self._sequences.values()), default=0)
+        if not self._sequences:
+            self.columns = 0
 
     # -- accounting ----------------------------------------------------------------------------
     def page_nbytes(self, page: Page) -> int:

@@ -155,7 +155,9 @@ class Session:
 
         full = self._step_full if valid is not None else list(range(batch))
         if len(full) == batch:
-            return self._attend_rows(cache, full, query, key, value, scale, softcap, sinks)
+            out = self._attend_rows(cache, full, query, key, value, scale, softcap, sinks)
+            cache.columns += chunk
+            return out
         out = query.new_zeros(*query.shape[:-1], value.shape[-1])
         if full:
             out[full] = self._attend_rows(cache, full, query[full], key[full], value[full], scale, softcap, sinks)
@@ -165,6 +167,7 @@ class Session:
                 continue
             one = slice(b, b + 1), slice(None), rows
             out[b, :, rows] = self._attend_rows(cache, [b], query[one], key[one], value[one], scale, softcap, sinks)[0]
+        cache.columns += chunk
         return out
 
     def attend_sequence(self, layer: str, seq: int, query, key, value, scale: float, *,
@@ -241,12 +244,12 @@ class Session:
         return [cache for layer, cache in self.layers.items() if layer.split("/")[0] in names]
 
     def model_length(self, model_key: torch.Tensor) -> int:
-        """Tokens stored for the model `model_key` belongs to (the longest sequence), as HF's
-        cache reports its length."""
+        """The length HF's cache would report for the model `model_key` belongs to: the batch's
+        columns its forwards attended, padding included (a left-padded row stores fewer tokens)."""
         prefix = self.model_name(model_key) + "/"
         for name, cache in self.layers.items():
             if name.startswith(prefix):
-                return cache.longest()
+                return cache.columns
         return 0
 
     def _attend_rows(self, cache: LayerCache, seqs: Sequence[int], q, k, v, scale: float, softcap: float | None,

@@ -116,6 +116,29 @@ def test_one_positions_op_only_when_the_graph_computes_positions_from_zero():
     assert [r.positions for r in REPORTS] == [0]
 
 
+def test_a_batch_whose_rows_are_all_padded_continues_from_its_columns():
+    """HF's cache counts columns, padding included: a chunk after a prompt whose every row is
+    left-padded (padded to a multiple, say) continues at the prompt's column count, not at the
+    longest row's stored tokens (before, positions fell short by the least padding)."""
+    model = zoo.build("llama")
+    ids = _ids(seed=11, length=30).repeat(2, 1)
+    ids[1] = _ids(seed=12, length=30)[0]
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[0, :3], mask[1, :5] = 0, 0
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    kvtopo.compile(model, inductor=False)
+    chunks = []
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
+        for a, b in ((0, 12), (12, 29), (29, 30)):
+            with s.step(mask[:, a:b].bool()):
+                chunks.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, a:b]).logits)
+        assert s.stats().tokens == (27, 25)
+    got = torch.cat(chunks, 1)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-4, rtol=0)
+
+
 GIVEN = torch.ops.kvtopo.given_positions.default
 
 
