@@ -242,14 +242,23 @@ def _site(pos: fx.Node, tokens: str, fed: list) -> PositionSite | None:
 def find_position_sites(gm: fx.GraphModule) -> list[PositionSite]:
     """Every position computation counted from the chunk's start whose cos/sin or table rows reach a
     kvtopo attention op's q/k."""
+    return _sites(gm, _counted_positions)
+
+
+def _counted_positions(node: fx.Node) -> tuple[fx.Node, str] | None:
+    """(the node holding the positions, their token count) when `node` is a chunk's count from 0."""
+    tokens = _chunk_length(node)
+    pos = _positions_node(node) if tokens is not None else None
+    return (pos, tokens) if pos is not None else None
+
+
+def _sites(gm: fx.GraphModule, positions_at) -> list[PositionSite]:
+    """The sites of the nodes `positions_at(node)` takes for positions ((node, token count), or None)."""
     fed = _fed_attention(gm.graph)
-    if not fed:
-        return []
     sites = []
-    for node in gm.graph.nodes:
-        tokens = _chunk_length(node)
-        pos = _positions_node(node) if tokens is not None else None
-        site = _site(pos, tokens, fed) if pos is not None else None
+    for node in gm.graph.nodes if fed else ():
+        found = positions_at(node)
+        site = _site(*found, fed) if found is not None else None
         if site is not None:
             sites.append(site)
     return sites
@@ -260,30 +269,23 @@ def rewrite_position_sites(gm: fx.GraphModule, sites: list[PositionSite]) -> int
     return _route(gm, sites, torch.ops.kvtopo.positions.default)
 
 
-def _given_length(node: fx.Node) -> str | None:
-    """The token count of integer positions passed to the graph, [T] or [B, T], named as positions
-    (`position_ids`, `cache_position`, `pos`, as Dynamo names an input after its source): token ids
-    pick rows of a table too (the token embedding), and a mask may be counted into positions, so an
-    input is taken for positions by its name."""
+def _given_positions(node: fx.Node) -> tuple[fx.Node, str] | None:
+    """(node, token count) for integer positions passed to the graph, [T] or [B, T], named as
+    positions (`position_ids`, `cache_position`, `pos`, as Dynamo names an input after its source):
+    token ids pick rows of a table too (the token embedding), and a mask may be counted into
+    positions, so an input is taken for positions by its name."""
     value = node.meta.get("example_value")
     if node.op != "placeholder" or model_tensor(node) or not isinstance(value, torch.Tensor):
         return None
     if value.dim() not in (1, 2) or value.dtype not in (torch.int64, torch.int32):
         return None
-    return str(value.shape[-1]) if "pos" in (source_name(node) or node.name).lower() else None
+    return (node, str(value.shape[-1])) if "pos" in (source_name(node) or node.name).lower() else None
 
 
 def find_given_position_sites(gm: fx.GraphModule) -> list[PositionSite]:
     """Every graph input of positions whose cos/sin or table rows reach a kvtopo attention op's q/k
     (checked by `kvtopo.given_positions`: a restart at 0 over a stored history raises)."""
-    fed = _fed_attention(gm.graph)
-    sites = []
-    for node in gm.graph.nodes if fed else ():
-        tokens = _given_length(node)
-        site = _site(node, tokens, fed) if tokens is not None else None
-        if site is not None:
-            sites.append(site)
-    return sites
+    return _sites(gm, _given_positions)
 
 
 def rewrite_given_position_sites(gm: fx.GraphModule, sites: list[PositionSite]) -> int:
