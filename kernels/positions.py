@@ -15,13 +15,14 @@ ORDERED effect as they are (kernels/effects.py): the compiler cannot fold `arang
 constant, drop it, or move it past an attention call. For export (cache-free graphs) it
 decomposes to the identity, and the effect is withdrawn there like the attention ops'.
 
-Positions the caller passes (`position_ids`, `cache_position`, or a count a graph break left in
-another graph) are the caller's to get right, but one mistake is certain: every row numbered
-0..T-1 again while the session holds the model's earlier tokens. That is a forward recomputing
-the whole sequence (HF `generate(use_cache=False)`, which would store it again each step), a new
-prompt in a session that holds another, or a model that counts its positions in another graph
-than its attention (CTRL): each would attend over a history its positions say is not there.
-`kvtopo::given_positions` raises on it.
+Positions the caller passes (`position_ids`, `cache_position`, a count a graph break left in
+another graph, or the cos/sin of a rotary embedding computed from them in another graph) are the
+caller's to get right, but one mistake is certain: every row numbered 0..T-1 again while the
+session holds the model's earlier tokens. That is a forward recomputing the whole sequence (HF
+`generate(use_cache=False)`, which would store it again each step), a new prompt in a session
+that holds another, or a model that counts its positions in another graph than its attention
+(CTRL; DBRX, whose blocks take the cos/sin): each would attend over a history its positions say
+is not there. `kvtopo::given_positions` raises on it.
 """
 
 from __future__ import annotations
@@ -57,14 +58,16 @@ def _positions_decomposition(positions, model_key):
 
 @torch.library.custom_op("kvtopo::given_positions", mutates_args=())
 def given_positions(positions: torch.Tensor, model_key: torch.Tensor) -> torch.Tensor:
-    """`positions` ([T] or [B, T], passed to the graph) unchanged (a copy); raises inside a session
-    that stores tokens for `model_key`'s model when every row of them restarts at 0."""
+    """`positions` ([T] or [B, T], passed to the graph, or a rotary embedding's cos or sin computed
+    from them, [..., T, D]) unchanged (a copy); raises inside a session that stores tokens for
+    `model_key`'s model when every row of them restarts at 0."""
     session = active_store()
     if session is not None:
         stored = session.model_length(model_key)
         if stored and restart_at_zero(positions):
+            tokens = positions.shape[-1 if _integer(positions) else -2]
             raise RuntimeError(
-                f"kvtopo: this forward numbers its {positions.shape[-1]} token(s) from 0 while the session holds "
+                f"kvtopo: this forward numbers its {tokens} token(s) from 0 while the session holds "
                 f"{stored} earlier token(s) of this model: it would attend over a history its positions say is "
                 "not there. A forward that recomputes the whole sequence (generate(use_cache=False)) or starts a "
                 "new prompt needs a new session or session.clear(); a continuation's positions start at the "
@@ -73,9 +76,19 @@ def given_positions(positions: torch.Tensor, model_key: torch.Tensor) -> torch.T
 
 
 def restart_at_zero(positions: torch.Tensor) -> bool:
-    """Every row of `positions` ([..., T]) is 0, 1, ..., T-1."""
+    """Every row of `positions` ([..., T]) is 0, 1, ..., T-1; for a rotary embedding's cos or sin
+    ([..., T, D], or its complex form), every row's first token is at 0: only there is a row the same
+    at every frequency (sin 0, cos the embedding's scale; the first frequency is 1 radian per
+    position, so no other whole position gives a constant row)."""
+    if not _integer(positions):
+        first = positions[..., 0, :]
+        return bool((first == first[..., :1]).all())
     count = torch.arange(positions.shape[-1], device=positions.device, dtype=positions.dtype)
     return bool((positions == count).all())
+
+
+def _integer(positions: torch.Tensor) -> bool:
+    return not (positions.is_floating_point() or positions.is_complex())
 
 
 @given_positions.register_fake

@@ -34,6 +34,7 @@ mask over the chunk against causal anyway.
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass
 
 import torch
@@ -136,8 +137,9 @@ def _descendants(node: fx.Node) -> set[fx.Node]:
 
 
 def _is_rotary(node: fx.Node) -> bool:
-    """cos/sin of a rotary embedding, or its complex form (`polar`: Llama-4, DeepSeek-V2)."""
-    return is_call(node, torch.cos, torch.sin, torch.polar, methods=("cos", "sin"))
+    """cos/sin of a rotary embedding, or its complex form (`polar`: Llama-4, DeepSeek-V2), computed in
+    the graph or passed to it."""
+    return is_call(node, torch.cos, torch.sin, torch.polar, methods=("cos", "sin")) or _given_rotary(node) is not None
 
 
 _SAME_VALUES = ("view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "contiguous", "clone",
@@ -230,7 +232,7 @@ def _fed_attention(graph: fx.Graph) -> list[tuple[set[fx.Node], str | None, obje
 def _site(pos: fx.Node, tokens: str, fed: list) -> PositionSite | None:
     """`pos` as a site when its cos/sin or table rows reach the q/k of attention ops of one model
     whose queries are as long as it."""
-    reached = {n for n in _descendants(pos) if _is_rotary(n)} | _looked_up_tables(pos)
+    reached = {n for n in _descendants(pos) | {pos} if _is_rotary(n)} | _looked_up_tables(pos)
     rotated = [(layer, key) for ancestors, query_tokens, layer, key in fed if reached & ancestors and query_tokens == tokens]
     keys = {key for _, key in rotated}
     # Without a model key a session cannot tell whose store to continue from.
@@ -282,10 +284,29 @@ def _given_positions(node: fx.Node) -> tuple[fx.Node, str] | None:
     return (node, str(value.shape[-1])) if "pos" in (source_name(node) or node.name).lower() else None
 
 
+_ROTARY_INPUT_WORDS = {"cos", "sin", "freqs", "rotary"}
+
+
+def _given_rotary(node: fx.Node) -> tuple[fx.Node, str] | None:
+    """(node, token count) for a rotary embedding's cos or sin (or complex form) passed to the graph,
+    [..., T, D], named as such (`position_embeddings`, `cos`, `sin`, `freqs_cis`): a model whose
+    layers compile to graphs of their own (DBRX's) passes them from the graph that counted the
+    positions. Other floats reach q/k too (the hidden states), so an input is taken by its name."""
+    value = node.meta.get("example_value")
+    if node.op != "placeholder" or model_tensor(node) or not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return None
+    if not (value.is_floating_point() or value.is_complex()):
+        return None
+    name = (source_name(node) or node.name).lower()
+    named = "position_embeddings" in name or _ROTARY_INPUT_WORDS & set(re.split(r"[^a-z]+", name))
+    return (node, str(value.shape[-2])) if named else None
+
+
 def find_given_position_sites(gm: fx.GraphModule) -> list[PositionSite]:
-    """Every graph input of positions whose cos/sin or table rows reach a kvtopo attention op's q/k
-    (checked by `kvtopo.given_positions`: a restart at 0 over a stored history raises)."""
-    return _sites(gm, _given_positions)
+    """Every graph input of positions, or of their rotary cos/sin, whose cos/sin or table rows reach a
+    kvtopo attention op's q/k (checked by `kvtopo.given_positions`: a restart at 0 over a stored
+    history raises)."""
+    return _sites(gm, lambda node: _given_positions(node) or _given_rotary(node))
 
 
 def rewrite_given_position_sites(gm: fx.GraphModule, sites: list[PositionSite]) -> int:

@@ -203,6 +203,32 @@ def test_positions_a_graph_break_leaves_in_another_graph_are_checked():
             assert torch.equal(kvtopo.generate(model, ids, max_new_tokens=4), expected)
 
 
+def test_rotary_cos_sin_a_graph_break_leaves_in_another_graph_are_checked():
+    """DBRX's blocks compile to graphs of their own (its experts break the graph): the rotary cos/sin
+    reach them as inputs, counted from 0 in the model's graph. A second chunk without
+    `position_ids` starts at 0 again and raises; `kvtopo.generate` equals HF's tokens (its many
+    frames share one code object, transformers' decorator, so Dynamo's recompile limit is raised)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.DbrxConfig(
+        d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=256,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2})
+    model = transformers.DbrxForCausalLM(config).eval()
+    ids = _ids(seed=9, length=24)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=4, do_sample=False)
+    kvtopo.compile(model, inductor=False)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64):
+        with kvtopo.session(kvtopo.Config.lossless()):
+            model(input_ids=ids[:, :12])
+            assert any(r.given_positions for r in REPORTS), REPORTS
+            with pytest.raises(RuntimeError, match="from 0 while the session holds 12"):
+                model(input_ids=ids[:, 12:])
+        with kvtopo.session(kvtopo.Config.lossless()):
+            assert torch.equal(kvtopo.generate(model, ids, max_new_tokens=4), expected)
+
+
 def test_token_indices_that_only_pick_experts_are_not_positions():
     """Qwen3-MoE numbers its tokens `arange(T)` to dispatch them to experts, and that count reaches
     an index into the experts' weights, but only through a sort: not a position table."""
