@@ -11,8 +11,10 @@ A hybrid model (Mamba-2 in Bamba, LFM2's short convolutions, Qwen3-Next's gated 
 state outside attention that HF's cache carries and a session does not.
 `kvtopo.compile`, `kvtopo.generate`, `hf_cache.generate` and the backend (for the module whose
 forward Dynamo compiles, so a bare `torch.compile` too) register the model here; the session
-looks up the attention module it is called for (`Session.attend`): a declared sliding window is
-applied (exactly what the model does), a block layer (Llama-4's `attention_chunk_size`) and a
+looks up the attention module it is called for (`Session.attend`; by the graph's first parameter
+when a graph break made Dynamo compile a block or the attention module as a graph of its own, which
+names its site relative to that module): a declared sliding window is applied (exactly what the
+model does; a mask passed in is checked against it), a block layer (Llama-4's `attention_chunk_size`) and a
 bidirectional layer are refused when the graph shows no mask, a chunk that carries a stored
 history across LongRoPE's switch is refused, and so is any call that continues a hybrid model.
 """
@@ -35,9 +37,15 @@ class Declared(NamedTuple):
     state_elsewhere: str | None = None  # what else in the model carries tokens forward (a hybrid's other layers)
 
 
-# id(parameter) of a registered model -> (the parameter, weakly; {attention module name: Declared}).
-# Keyed by id: tensors compare by value, so they cannot be dictionary keys themselves.
-_DECLARED: dict[int, tuple[weakref.ref, dict[str, Declared]]] = {}
+class _Registered(NamedTuple):
+    parameter: weakref.ref
+    layers: dict[str, Declared]  # every attention module's name -> what its config declares
+    owner: str  # the parameter's module ("model.layers.0.mlp"): where a graph that passes it was compiled
+
+
+# id(parameter) of a registered model -> its entry. Keyed by id: tensors compare by value, so they
+# cannot be dictionary keys themselves.
+_DECLARED: dict[int, _Registered] = {}
 
 
 def _longrope_switch(config) -> int | None:
@@ -121,17 +129,19 @@ def declare(model: torch.nn.Module) -> str | None:
     layer), modules that are not causal, LongRoPE's switch, state a hybrid keeps elsewhere.
     Returns that state outside attention (`state_outside_attention`), None if there is none."""
     model = getattr(model, "_orig_mod", model)  # what torch.compile wraps: its names are the graph's
-    declared, state_elsewhere = {}, state_outside_attention(model)
+    layers, state_elsewhere = {}, state_outside_attention(model)
     for name, module in model.named_modules():
         config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
-        if config is None or not isinstance(index, int) or "Attention" not in type(module).__name__:
-            continue
-        if (found := _declared_for(module, config, index, state_elsewhere)) != Declared():
-            declared[name] = found
-    for parameter in model.parameters() if declared else ():
-        if id(parameter) not in _DECLARED:
-            weakref.finalize(parameter, _DECLARED.pop, id(parameter), None)
-        _DECLARED[id(parameter)] = (weakref.ref(parameter), declared)
+        if config is not None and isinstance(index, int) and "Attention" in type(module).__name__:
+            layers[name] = _declared_for(module, config, index, state_elsewhere)
+    if any(found != Declared() for found in layers.values()):
+        for name, parameter in model.named_parameters():
+            owner, held = name.rpartition(".")[0], _DECLARED.get(id(parameter))
+            if held is None:
+                weakref.finalize(parameter, _DECLARED.pop, id(parameter), None)
+            elif held.parameter() is parameter and len(held.owner) > len(owner):
+                continue  # registered from a module around this one (the backend declares each frame's)
+            _DECLARED[id(parameter)] = _Registered(weakref.ref(parameter), layers, owner)
     return state_elsewhere
 
 
@@ -139,6 +149,24 @@ def declared(model_key: torch.Tensor | None, layer: str) -> Declared | None:
     """What was registered for `layer` ('#k' call suffix ignored) of the model `model_key` belongs
     to; None if it declared nothing."""
     entry = _DECLARED.get(id(model_key)) if model_key is not None else None
-    if entry is None or entry[0]() is not model_key:
+    if entry is None or entry.parameter() is not model_key:
         return None
-    return entry[1].get(layer.split("#")[0])
+    name = layer.split("#")[0]
+    if name not in entry.layers:
+        name = _compiled_within(entry, name)
+    found = entry.layers.get(name)
+    return found if found != Declared() else None
+
+
+def _compiled_within(entry: _Registered, name: str) -> str | None:
+    """The attention module a graph compiled from a submodule's own frame names `name`. After a
+    graph break inside a block (DBRX's experts, a hybrid's mixer) Dynamo compiles the block's
+    forward, or the attention module's, as a graph of its own, which one compiled graph serves for
+    every instance: its layer names are relative to that submodule (`norm_attn_norm.attn`), or the
+    op's node name when the frame is the attention module's. The graph's model key, its first
+    parameter, lies inside the submodule: the one attention module that matches under it is meant."""
+    within = [full for full in entry.layers
+              if full.endswith("." + name) and entry.owner.startswith(full[: -len(name)])]
+    if not within and "." not in name:
+        within = [full for full in entry.layers if entry.owner.startswith(full + ".")]
+    return within[0] if len(within) == 1 else None

@@ -137,8 +137,10 @@ class Session:
         if valid is not None and tuple(valid.shape) != (batch, chunk):
             raise ValueError(f"step validity has shape {tuple(valid.shape)}, the call has (batch, tokens)=({batch}, {chunk})")
         declared = declared_attention.declared(model_key, layer)
-        if attn_mask is None and window is None and declared is not None:  # HF skipped the mask: the config declares it
-            window = _declared_window(layer, declared)
+        if window is None and declared is not None:
+            # The config declares what the graph cannot show: HF skipped the mask, or passed one into a
+            # graph of its own (a block compiled apart after a graph break), checked against it below.
+            window = _declared_window(layer, declared) if attn_mask is None else declared.window
         arguments = (is_causal, window, batch, chunk)
         passed = self._mask_passed  # a model passes one mask to all its layers: checked once while unchanged
         if passed is None or not passed.matches(attn_mask, valid, arguments):

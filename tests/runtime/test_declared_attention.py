@@ -165,3 +165,37 @@ def test_a_model_without_state_or_attention_forward_raises_in_a_session(how):
             model(input_ids=ids)
     with pytest.warns(UserWarning, match="keeps state outside attention"):
         assert torch.equal(kvtopo.generate(model, ids, max_new_tokens=5), expected)
+
+
+@pytest.mark.parametrize("frame,prompt", [("attention", 8), ("decoder layer", 20)])
+def test_a_window_declared_for_a_module_compiled_in_a_graph_of_its_own_is_applied(frame, prompt, monkeypatch):
+    """After a graph break inside a decoder layer (DBRX's experts, a hybrid's mixer) Dynamo compiles
+    the layer's forward, or the attention module's, as a graph of its own, whose site is named
+    relative to it (`self_attn`, or its node name) and which one compiled graph serves for every
+    layer. Mistral's declared window is still found, through the graph's first parameter, and
+    applied: to decode steps HF gives no mask (before, with the attention's own frame, they attended
+    the whole history silently), and to a longer prompt's mask, passed into the layer's graph."""
+    from transformers.models.mistral import modeling_mistral
+
+    module = {"attention": modeling_mistral.MistralAttention, "decoder layer": modeling_mistral.MistralDecoderLayer}[frame]
+    forward = module.forward
+
+    def breaking_forward(self, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(module, "forward", breaking_forward)
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                        sliding_window=8, max_position_embeddings=256)
+    model = transformers.MistralForCausalLM(config).eval()
+    ids = torch.randint(3, 250, (1, prompt), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=10, do_sample=False)
+    kvtopo.compile(model, inductor=False)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as session:
+        out = kvtopo.generate(model, ids, max_new_tokens=10)
+        names = [name.split("/")[1] for name in session.layers]
+    assert names == (["attn_output"] * 2 if frame == "attention" else ["self_attn"] * 2)  # relative names
+    assert torch.equal(out, expected)
