@@ -68,6 +68,11 @@ class SessionCache(Cache):
         stores (`generate` passes it)."""
         if not isinstance(session, Session):
             raise TypeError(f"SessionCache(session) takes a kvtopo Session, got {type(session).__name__}")
+        if model is not None and (state := declared_attention.state_outside_attention(model)) is not None:
+            raise ValueError(
+                f"SessionCache: {type(getattr(model, '_orig_mod', model)).__name__} keeps state outside attention "
+                f"({state}) in HF's cache, which a SessionCache does not hold (HF's layers would look it up and "
+                "fail); kvtopo.generate runs such a model on its own cache")
         super().__init__(layers=[])
         self.session = session
         self.model = getattr(model, "_orig_mod", model)

@@ -106,6 +106,17 @@ def test_a_hybrid_model_is_not_continued_in_a_session(how):
             model(input_ids=ids[:, :4])
 
 
+def test_a_session_cache_for_a_hybrid_model_is_refused():
+    """HF's hybrid layers read their state from the cache generate passes (before, a SessionCache
+    failed deep in HF with an IndexError)."""
+    model = kvtopo.compile(_lfm2(), inductor=False)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as session:
+        with pytest.raises(ValueError, match=r"Lfm2ForCausalLM keeps state outside attention \(.*Lfm2ShortConv"):
+            kvtopo.hf_cache.generate(model, _prompt(20, 4), max_new_tokens=4, do_sample=False)
+        with pytest.raises(ValueError, match="keeps state outside attention"):
+            kvtopo.hf_cache.SessionCache(session, model=model)
+
+
 def test_generate_runs_a_hybrid_model_on_its_own_cache():
     model = _lfm2()
     ids = _prompt(20, 4)
