@@ -130,9 +130,11 @@ def check_transformers_version() -> None:
             f"version); installed: transformers {transformers.__version__}")
 
 
+@torch.compiler.disable(reason="kvtopo continuous batching attends over the session's store in host code")
 def kvtopo_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
-    """transformers attention-interface function: the packed batch's attention over kvtopo's store."""
+    """transformers attention-interface function: the packed batch's attention over kvtopo's store
+    (never traced: a compiled model's graphs break around it and it runs as it is)."""
     cache = kwargs.get(_BATCH_KWARG)
     if not isinstance(cache, KvtopoPagedCache):
         raise RuntimeError(f"attn_implementation={ATTN_IMPLEMENTATION!r} runs only inside kvtopo's continuous batching "

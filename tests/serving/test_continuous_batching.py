@@ -7,6 +7,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+import kvtopo
 from kvtopo.config import Config
 from kvtopo.models import zoo
 from kvtopo.runtime.session import Session
@@ -80,6 +81,20 @@ def test_lossless_tokens_equal_the_engines_own_paged_cache(monkeypatch):
     assert all(not cache.sequences and cache.pool.live_pages == 0 for cache in session.layers.values())
     assert model.config._attn_implementation == "sdpa"
     assert not hasattr(model, "_cached_continuous_batching_manager")
+
+
+def test_a_compiled_model_batches_as_the_uncompiled_one():
+    """A `kvtopo.compile`d model in continuous batching: its graphs break around the attention
+    function, which attends over the store as it is (before, Dynamo traced into it and failed on a
+    guard of its own making)."""
+    model = zoo.build("llama")
+    prompts = _prompts((20, 37))
+    plain = generate_batch(model, prompts, Config.lossless(), max_new_tokens=5, generation_config=GREEDY)
+    kvtopo.compile(model, inductor=False)
+    compiled = generate_batch(model, prompts, Config.lossless(), max_new_tokens=5, generation_config=GREEDY)
+    assert [out.generated_tokens for out in compiled.outputs.values()] == \
+        [out.generated_tokens for out in plain.outputs.values()]
+    assert all(len(out.generated_tokens) == 5 for out in compiled.outputs.values())
 
 
 def test_default_compressed_config_holds_fewer_bytes_and_generates():
