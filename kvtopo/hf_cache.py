@@ -87,7 +87,9 @@ class SessionCache(Cache):
         if not torch.compiler.is_compiling():
             raise RuntimeError(
                 "SessionCache.update ran eagerly: the model must run through a graph compiled with "
-                "backend='kvtopo' (kvtopo.compile(model)); its attention op supplies the history. "
+                "backend='kvtopo' (kvtopo.compile(model)); its attention op supplies the history. HF generate "
+                "calls the module itself, so compile it in place (kvtopo.compile(model) or model.compile("
+                "backend='kvtopo')): the wrapper torch.compile(model, ...) returns is not what generate calls. "
                 "(Dynamo may also have fallen back to eager, e.g. after hitting its recompile limit.)"
             )
         return key_states, value_states

@@ -289,3 +289,13 @@ def test_hf_generate_on_a_compiled_model_checks_its_prompt_too():
         second = model.generate(first, max_new_tokens=4, do_sample=False, cache=cache)
     assert torch.equal(second, expected)
     assert copy.deepcopy(model).generate.__self__ is not model
+
+
+def test_generate_on_the_wrapper_torch_compile_returns_names_the_in_place_compile():
+    """HF generate calls the module itself, not the wrapper `torch.compile(model)` returns: the
+    SessionCache sees an eager forward and says how to compile instead."""
+    wrapper = torch.compile(zoo.build("llama"), backend="kvtopo", options={"inductor": False})
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as session:
+        with pytest.raises(RuntimeError, match=r"compile it in place \(kvtopo.compile\(model\)"):
+            kvtopo.hf_cache.generate(wrapper, _prompt(), max_new_tokens=3, do_sample=False)
+        assert session.stats().tokens == ()
