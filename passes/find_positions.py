@@ -137,9 +137,8 @@ def _descendants(node: fx.Node) -> set[fx.Node]:
 
 
 def _is_rotary(node: fx.Node) -> bool:
-    """cos/sin of a rotary embedding, or its complex form (`polar`: Llama-4, DeepSeek-V2), computed in
-    the graph or passed to it."""
-    return is_call(node, torch.cos, torch.sin, torch.polar, methods=("cos", "sin")) or _given_rotary(node) is not None
+    """cos/sin of a rotary embedding, or its complex form (`polar`: Llama-4, DeepSeek-V2)."""
+    return is_call(node, torch.cos, torch.sin, torch.polar, methods=("cos", "sin"))
 
 
 _SAME_VALUES = ("view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "contiguous", "clone",
@@ -232,7 +231,9 @@ def _fed_attention(graph: fx.Graph) -> list[tuple[set[fx.Node], str | None, obje
 def _site(pos: fx.Node, tokens: str, fed: list) -> PositionSite | None:
     """`pos` as a site when its cos/sin or table rows reach the q/k of attention ops of one model
     whose queries are as long as it."""
-    reached = {n for n in _descendants(pos) | {pos} if _is_rotary(n)} | _looked_up_tables(pos)
+    reached = {n for n in _descendants(pos) if _is_rotary(n)} | _looked_up_tables(pos)
+    if _given_rotary(pos) is not None:  # the cos/sin themselves, passed in
+        reached.add(pos)
     rotated = [(layer, key) for ancestors, query_tokens, layer, key in fed if reached & ancestors and query_tokens == tokens]
     keys = {key for _, key in rotated}
     # Without a model key a session cannot tell whose store to continue from.
