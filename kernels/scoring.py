@@ -80,6 +80,36 @@ def expfree_scores(q_obs: Tensor, k: Tensor, scale, margin: float = DEFAULT_MARG
     return credit.sum(1)
 
 
+# Logits a block of `successor_shares` may hold at once (float32: 64 MB).
+SHARE_BLOCK_LOGITS = 1 << 24
+
+
+def successor_shares(predecessor_queries: Tensor, k: Tensor, scale, margin: float = DEFAULT_MARGIN) -> Tensor:
+    """[Hkv, N]: the share of its predecessor's exp-free credit that each token gets, summed over
+    the kv-head's query heads. Row n of ``predecessor_queries`` [Hq, N, d] is the query of the
+    token before key n of k [Hkv, N, d]; its credit ``relu(s - max + margin)`` is taken over
+    all N keys, later ones included, and divided by its sum (one reciprocal per row).
+
+    A model reading its context back fetches each token with the query of the token before it
+    (KVzip scores tokens by such a reconstruction, run as a second pass). A token that query
+    singles out -- a number or name nothing else in the text predicts -- gets a share near 1;
+    one it shares with many look-alikes (filler, repeated phrases) a small share. Rows are taken
+    in blocks of at most ``SHARE_BLOCK_LOGITS`` logits."""
+    kv_heads, n = k.shape[:2]
+    group = predecessor_queries.shape[0] // kv_heads
+    out = k.new_zeros(kv_heads, n, dtype=torch.float32)
+    rows = max(1, SHARE_BLOCK_LOGITS // max(1, group * n))
+    for start in range(0, n, rows):
+        block = predecessor_queries[:, start:start + rows]
+        b = block.shape[1]
+        logits = _grouped_logits(block, k, scale).view(kv_heads, group, b, n)
+        floor = logits.amax(-1) - margin  # [Hkv, G, b]
+        total = (logits - floor[..., None]).relu_().sum(-1)
+        own = logits[:, :, torch.arange(b), torch.arange(start, start + b)]
+        out[:, start:start + b] = ((own - floor).relu_() / total).sum(1)
+    return out
+
+
 def softmax_mass(q_obs: Tensor, k: Tensor, scale: float) -> Tensor:
     """Exact attention mass [Hkv, N]: softmax over the N keys per query row, summed over the
     window's queries and the group's query heads, as ``expfree_scores`` sums its surrogate."""

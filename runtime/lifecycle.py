@@ -112,7 +112,8 @@ class SequenceState:
     next_refit: int | None = None  # the length at which the next Mid epoch starts
     observation: torch.Tensor | None = None  # the latest queries [Hq, W, d] float16, oldest at `observed_oldest`
     observed_oldest: int = 0  # where a full window's next decode query is written (see Lifecycle.observe)
-    chunk_queries: torch.Tensor | None = None  # the appending chunk's last queries [Hq, C, d], until it is stored
+    chunk_queries: torch.Tensor | None = None  # the appending chunk's queries [Hq, T, d], until it is stored
+    chunk_start: int = 0  # the position of the appending chunk's first token
 
 
 class Lifecycle:
@@ -129,7 +130,8 @@ class Lifecycle:
     def observe(self, seq: SequenceState, queries: torch.Tensor, kv_heads: int) -> None:
         """Remember the latest queries [Hq, T, d] (`observed_positions` of them): eviction scores
         use them (policies that never evict hold none). A chunk longer than the window also
-        leaves its last `CHUNK_QUERIES` for ranking the pages its own append moves."""
+        leaves its queries for ranking the pages its own append moves (the forward's tensor,
+        not a copy: it is dropped once the chunk is stored)."""
         if not self.mid_encoding.evict:
             return
         window = observed_positions(self.config.observation_window, queries.shape[0], kv_heads)
@@ -140,14 +142,34 @@ class Lifecycle:
             self.observe_steps(seq, queries.detach(), 1)
             return
         if queries.shape[1] > window:  # a prefill chunk, not a decode step
-            chunk = observed_positions(CHUNK_QUERIES, queries.shape[0], kv_heads)
-            seq.chunk_queries = queries[:, -chunk:].detach().to(torch.float16)
+            seq.chunk_queries, seq.chunk_start = queries.detach(), seq.length
         # float16 is plenty for ranking tokens, and halves what the window costs to hold.
         recent = queries[:, -window:].detach().to(torch.float16)
         if held is not None:
             held = held.roll(-seq.observed_oldest, 1)  # oldest first again
             recent = torch.cat([held, recent], dim=1)[:, -window:]
         seq.observation, seq.observed_oldest = recent.clone(), 0
+
+    @staticmethod
+    def chunk_queries_after(seq: SequenceState, position: int, kv_heads: int) -> torch.Tensor | None:
+        """The appending chunk's queries after `position`, at most its last `CHUNK_QUERIES`
+        (`observed_positions` of them), float16 as the window holds its own; None if none."""
+        queries = seq.chunk_queries
+        after = 0 if queries is None else seq.chunk_start + queries.shape[1] - position
+        if after <= 0:
+            return None
+        return queries[:, -min(after, observed_positions(CHUNK_QUERIES, queries.shape[0], kv_heads)):].to(torch.float16)
+
+    @staticmethod
+    def predecessor_queries(seq: SequenceState, positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The appending chunk's query of the token before each of `positions` [n] ([Hq, n, d])
+        and whether the chunk holds it ([n] bool); (None, None) outside a prefill chunk."""
+        queries = seq.chunk_queries
+        if queries is None:
+            return None, None
+        before = positions - 1 - seq.chunk_start
+        held = (before >= 0) & (before < queries.shape[1])
+        return queries[:, before.clamp(0, queries.shape[1] - 1)], held
 
     @staticmethod
     def observe_steps(seq: SequenceState, queries: torch.Tensor, steps: int) -> None:

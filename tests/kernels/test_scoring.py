@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kvtopo.kernels.scoring import DEFAULT_MARGIN, expfree_scores, softmax_mass, topk_recall
+from kvtopo.kernels import scoring
+from kvtopo.kernels.scoring import DEFAULT_MARGIN, expfree_scores, softmax_mass, successor_shares, topk_recall
 
 FORBIDDEN = {"exp", "exp2", "expm1", "_softmax", "softmax", "_log_softmax", "log_softmax", "sigmoid", "tanh", "log", "logsumexp"}
 ALLOWED = {
@@ -53,6 +54,40 @@ def test_scores_group_query_heads_by_kv_head(groups):
         expected_mass[h // groups] += torch.softmax(logits, -1).sum(0)
     torch.testing.assert_close(expfree_scores(q, k, scale).double(), expected_free, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(softmax_mass(q, k, scale).double(), expected_mass, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("block_logits", [scoring.SHARE_BLOCK_LOGITS, 1])
+def test_successor_shares_against_float64_loops(groups, block_logits, monkeypatch):
+    """Row n (the query before token n) is credited over every key, later ones too, divided by
+    its sum; token n gets its own column's part, summed over the kv-head's query heads. With a
+    block of 1 logit every row is its own block."""
+    monkeypatch.setattr(scoring, "SHARE_BLOCK_LOGITS", block_logits)
+    g = torch.Generator().manual_seed(groups)
+    kv_heads, n, d, scale = 2, 17, 8, 0.7
+    q = torch.randn(kv_heads * groups, n, d, generator=g)
+    k = torch.randn(kv_heads, n, d, generator=g)
+    expected = torch.zeros(kv_heads, n, dtype=torch.float64)
+    for h in range(kv_heads * groups):
+        for row in range(n):
+            logits = scale * k[h // groups].double() @ q[h, row].double()  # over all n keys
+            credit = torch.relu(logits - logits.max() + DEFAULT_MARGIN)
+            expected[h // groups, row] += credit[row] / credit.sum()
+    torch.testing.assert_close(successor_shares(q, k, scale).double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_token_its_predecessor_singles_out_gets_its_whole_share():
+    """Token 3 is the only key its predecessor's query points at: share 1. Tokens 1, 4 and 5 are
+    look-alikes, and the query before token 5 finds all three: token 5 gets a third. No
+    exponential on the way."""
+    e = torch.eye(4)
+    k = 10 * torch.stack([e[3], e[2], e[3], e[1], e[2], e[2]])[None]  # [1, 6, 4]
+    q = torch.zeros(1, 6, 4)
+    q[0, 3], q[0, 5] = e[1], e[2]
+    shares = successor_shares(q, k, 1.0)
+    assert shares[0, 3].item() == pytest.approx(1.0) and shares[0, 5].item() == pytest.approx(1 / 3)
+    ops = aten_ops(functools.partial(successor_shares, scale=1.0), q, k)
+    assert not ops & FORBIDDEN, ops & FORBIDDEN
 
 
 def test_margin_controls_which_tokens_get_credit():

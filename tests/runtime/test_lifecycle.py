@@ -13,7 +13,7 @@ from kvtopo.runtime.lifecycle import BudgetExceeded
 from kvtopo.runtime.phases import Phase, PhasePlan
 from kvtopo.runtime.policies import make_policy
 from kvtopo.runtime.policies.topo import (ANCHOR_REACH, SUCCESSORS, anchor_reach, carry_forward, low_norm_prior,
-                                          topo_scores)
+                                          successor_credit, topo_scores)
 
 from store_walk import held_tensor_bytes
 
@@ -426,10 +426,13 @@ def test_a_prefill_chunk_ranks_its_pages_by_its_own_queries_too(chunk_queries, m
     """A token that queries of the prefill chunk read, but none in the held window (4 queries),
     survives the chunk's own eviction: the chunk's last `CHUNK_QUERIES` queries rank the pages it
     moves beside the window (with only the window's 4 it is evicted). They are dropped once the
-    chunk is stored: the held bytes are what they were."""
+    chunk is stored: the held bytes are what they were. (The successor shares, which could
+    keep the hit by themselves, are off: their own test follows.)"""
     import kvtopo.runtime.lifecycle as lifecycle
+    import kvtopo.runtime.policies.topo as topo
 
     monkeypatch.setattr(lifecycle, "CHUNK_QUERIES", chunk_queries)
+    monkeypatch.setattr(topo, "SUCCESSOR_WEIGHT", 0.0)
     n, dim, hit = 1024, 32, 300
     k, v = _structured_kv(n, heads=2, dim=dim, dtype=torch.float16)
     q = torch.randn(1, 4, n, dim, generator=torch.Generator().manual_seed(1))
@@ -450,6 +453,46 @@ def test_a_prefill_chunk_ranks_its_pages_by_its_own_queries_too(chunk_queries, m
     kept = {page * 16 + int(t) for page, rows in plan.items() for t in rows[0]}
     assert hit // 16 in plan
     assert (hit in kept) == (chunk_queries == 128), sorted(kept)
+
+
+@pytest.mark.parametrize("weight", [3.0, 0.0])
+def test_a_token_its_predecessor_singles_out_survives_before_any_question(weight, monkeypatch):
+    """Query-agnostic: no query of the chunk reads the hit (every query is orthogonal to it)
+    but the one just before it, which points at it alone, as a model reading the text back
+    would fetch it. The successor shares keep it through the chunk's own eviction; without them
+    (weight 0) it is evicted."""
+    import kvtopo.runtime.policies.topo as topo
+
+    monkeypatch.setattr(topo, "SUCCESSOR_WEIGHT", weight)
+    n, dim, hit = 1024, 32, 300
+    k, v = _structured_kv(n, heads=2, dim=dim, dtype=torch.float16)
+    q = torch.randn(1, 4, n, dim, generator=torch.Generator().manual_seed(1))
+    direction = torch.randn(dim, generator=torch.Generator().manual_seed(3))
+    direction = direction / direction.norm()
+    q -= (q @ direction)[..., None] * direction
+    q[0, :, hit - 1] = 10 * direction
+    k[:, hit] = (2 * direction * dim ** 0.5).half()
+    plans = _record(monkeypatch, "_plan_joint_eviction")
+    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0, observation_window=4)
+    with kvtopo.session(config) as s:
+        s.attend("l", q.half(), k[None], v[None], None, dim ** -0.5)
+        assert s.layers["l"].sequences[0].chunk_queries is None
+    plan = next(p for p in plans if p)
+    kept = {page * 16 + int(t) for page, rows in plan.items() for t in rows[0]}
+    assert hit // 16 in plan
+    assert (hit in kept) == (weight > 0), sorted(kept)
+
+
+def test_tokens_whose_predecessor_query_is_gone_get_the_held_tokens_mean():
+    """A joint plan across chunks ranks tokens of the chunk before, whose predecessors' queries
+    are gone: they get the mean of the others' successor shares, neither favoured nor dropped."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(4, 40, 16, generator=g), torch.randn(2, 40, 16, generator=g)
+    held = torch.arange(40) >= 10
+    credit = successor_credit(q, held, k, 0.25, 4.0)
+    own = kvtopo.kernels.scoring.successor_shares(q[:, 10:], k[:, 10:], 0.25)
+    torch.testing.assert_close(credit[:, 10:], own)
+    torch.testing.assert_close(credit[:, :10], own.mean(-1, keepdim=True).expand(2, 10))
 
 
 @pytest.mark.parametrize("policy", ["topo", "snapkv"])
