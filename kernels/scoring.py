@@ -84,23 +84,24 @@ def expfree_scores(q_obs: Tensor, k: Tensor, scale, margin: float = DEFAULT_MARG
 SHARE_BLOCK_LOGITS = 1 << 24
 
 
-def successor_shares(predecessor_queries: Tensor, k: Tensor, scale, margin: float = DEFAULT_MARGIN) -> Tensor:
+def successor_shares(queries: Tensor, rows: Tensor, k: Tensor, scale, margin: float = DEFAULT_MARGIN) -> Tensor:
     """[Hkv, N]: the share of its predecessor's exp-free credit that each token gets, summed over
-    the kv-head's query heads. Row n of ``predecessor_queries`` [Hq, N, d] is the query of the
-    token before key n of k [Hkv, N, d]; its credit ``relu(s - max + margin)`` is taken over
-    all N keys, later ones included, and divided by its sum (one reciprocal per row).
+    the kv-head's query heads. ``queries[:, rows[n]]`` ([Hq, d]) is the query of the token before
+    key n of k [Hkv, N, d]; its credit ``relu(s - max + margin)`` is taken over all N keys, later
+    ones included, and divided by its sum (one reciprocal per row).
 
     A model reading its context back fetches each token with the query of the token before it
     (KVzip scores tokens by such a reconstruction, run as a second pass). A token that query
     singles out -- a number or name nothing else in the text predicts -- gets a share near 1;
-    one it shares with many look-alikes (filler, repeated phrases) a small share. Rows are taken
-    in blocks of at most ``SHARE_BLOCK_LOGITS`` logits."""
+    one it shares with many look-alikes (filler, repeated phrases) a small share. Rows are
+    gathered and taken in blocks of at most ``SHARE_BLOCK_LOGITS`` logits (an MLA layer's 128
+    query heads never copy a whole chunk's queries)."""
     kv_heads, n = k.shape[:2]
-    group = predecessor_queries.shape[0] // kv_heads
+    group = queries.shape[0] // kv_heads
     out = k.new_zeros(kv_heads, n, dtype=torch.float32)
-    rows = max(1, SHARE_BLOCK_LOGITS // max(1, group * n))
-    for start in range(0, n, rows):
-        block = predecessor_queries[:, start:start + rows]
+    step = max(1, SHARE_BLOCK_LOGITS // max(1, group * n))
+    for start in range(0, n, step):
+        block = queries[:, rows[start:start + step]]
         b = block.shape[1]
         logits = _grouped_logits(block, k, scale).view(kv_heads, group, b, n)
         floor = logits.amax(-1) - margin  # [Hkv, G, b]

@@ -516,9 +516,8 @@ class LayerCache(Lifecycle):
         # The chunk's queries that come after the group's last token (all, unless Recent is short).
         chunk = self.chunk_queries_after(entry, (group[-1] + 1) * P, keys.shape[0])
         positions = (torch.tensor(group)[:, None] * P + torch.arange(P)).flatten()
-        predecessors, held = self.predecessor_queries(entry, positions)
         scores = self.policy.score(ScoreInputs(keys, values, entry.observation, self.scale, mass, chunk,
-                                               predecessors, held)).float()
+                                               entry.chunk_queries, self.predecessor_rows(entry, positions))).float()
         order = scores.view(scores.shape[0], len(group), P).sort(dim=-1, descending=True, stable=True)
         # Value of a page's k-th survivor: the best of the heads' k-th best scores (falls with k,
         # so taking the best values overall takes a prefix of every page's ranking). The max,

@@ -161,15 +161,14 @@ class Lifecycle:
         return queries[:, -min(after, observed_positions(CHUNK_QUERIES, queries.shape[0], kv_heads)):].to(torch.float16)
 
     @staticmethod
-    def predecessor_queries(seq: SequenceState, positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The appending chunk's query of the token before each of `positions` [n] ([Hq, n, d])
-        and whether the chunk holds it ([n] bool); (None, None) outside a prefill chunk."""
-        queries = seq.chunk_queries
-        if queries is None:
-            return None, None
+    def predecessor_rows(seq: SequenceState, positions: torch.Tensor) -> torch.Tensor | None:
+        """[n]: the row of the appending chunk's queries (`seq.chunk_queries`) that is the token
+        before each of `positions`, -1 where the chunk does not hold it; None outside a
+        prefill chunk."""
+        if seq.chunk_queries is None:
+            return None
         before = positions - 1 - seq.chunk_start
-        held = (before >= 0) & (before < queries.shape[1])
-        return queries[:, before.clamp(0, queries.shape[1] - 1)], held
+        return torch.where((before >= 0) & (before < seq.chunk_queries.shape[1]), before, -1)
 
     @staticmethod
     def observe_steps(seq: SequenceState, queries: torch.Tensor, steps: int) -> None:

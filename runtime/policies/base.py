@@ -47,9 +47,9 @@ class ScoreInputs:
     attention_mass: accumulated softmax mass each token received while it was Terminal/Recent
     [Hkv, n] (only tracked for policies that ask for it); chunk_queries: the appending prefill
     chunk's own last queries [Hq, C, d], every one after every ranked token (None outside a
-    prefill chunk's joint plan); predecessor_queries [Hq, n, d]: the query of the token before
-    each ranked token, valid where predecessor_held [n] (bool) says the appending chunk holds it
-    (both None outside a prefill chunk's joint plan).
+    prefill chunk's joint plan); predecessor_queries: the appending chunk's queries [Hq, T, d]
+    and predecessor_rows [n] (long): the row of the query of the token before each ranked token,
+    -1 where the chunk does not hold it (both None outside a prefill chunk's joint plan).
     """
 
     keys: torch.Tensor
@@ -59,7 +59,7 @@ class ScoreInputs:
     attention_mass: torch.Tensor | None = None
     chunk_queries: torch.Tensor | None = None
     predecessor_queries: torch.Tensor | None = None
-    predecessor_held: torch.Tensor | None = None
+    predecessor_rows: torch.Tensor | None = None
 
 
 class Policy:

@@ -86,24 +86,26 @@ def low_norm_prior(keys: torch.Tensor) -> torch.Tensor:
     return (top - norms) / (top - norms.amin(-1, keepdim=True)).clamp_min(torch.finfo(norms.dtype).tiny)
 
 
-def successor_credit(predecessor_queries: torch.Tensor, held: torch.Tensor, keys: torch.Tensor, scale,
+def successor_credit(queries: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, scale,
                      margin: float) -> torch.Tensor:
-    """[Hkv, n]: `successor_shares` of the tokens whose predecessor's query is held (`held` [n]);
-    the others (the predecessor was stored with an earlier chunk, its query gone) get the held
-    tokens' mean, so that a joint ranking across chunks neither favours nor penalises them."""
-    rows = held.nonzero()[:, 0]
-    credit = successor_shares(predecessor_queries[:, rows], keys[:, rows], scale, margin)
+    """[Hkv, n]: `successor_shares` of the tokens whose predecessor's query the chunk holds
+    (`queries[:, rows[t]]`; `rows[t]` < 0 where it does not: the predecessor was stored with an
+    earlier chunk, its query gone); those others get the held tokens' mean, so that a joint
+    ranking across chunks neither favours nor penalises them."""
+    held = (rows >= 0).nonzero()[:, 0]
+    credit = successor_shares(queries, rows[held], keys[:, held], scale, margin)
     out = credit.mean(-1, keepdim=True).expand(keys.shape[0], keys.shape[1]).clone()
-    out[:, rows] = credit
+    out[:, held] = credit
     return out
 
 
 def topo_scores(queries: torch.Tensor, keys: torch.Tensor, scale, margin: float, num_queries=None,
                 chunk_queries: torch.Tensor | None = None, predecessor_queries: torch.Tensor | None = None,
-                predecessor_held: torch.Tensor | None = None) -> torch.Tensor:
+                predecessor_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The topo policy's token scores [Hkv, n]: the window's exp-free credit, a prefill chunk's
     own queries' credit (`chunk_queries`, when given), the low-norm prior and the successor shares
-    (`successor_credit`, when the tokens' predecessors' queries are given: a prefill chunk's),
+    (`successor_credit`, when a prefill chunk's queries and the rows of the tokens' predecessors
+    are given),
     each as the head's shares, carried forward; the queries' strongest tokens carry theirs
     further (`anchor_reach`).
     Each part as shares, so the window (a question's few queries) keeps its say however many
@@ -114,9 +116,9 @@ def topo_scores(queries: torch.Tensor, keys: torch.Tensor, scale, margin: float,
     if chunk_queries is not None:
         credit = credit + shares(expfree_scores(chunk_queries, keys, scale, margin))
     prior = KEY_NORM_WEIGHT * shares(low_norm_prior(keys))
-    if predecessor_queries is not None and bool(predecessor_held.any()):
+    if predecessor_queries is not None and bool((predecessor_rows >= 0).any()):
         prior = prior + SUCCESSOR_WEIGHT * shares(
-            successor_credit(predecessor_queries, predecessor_held, keys, scale, margin))
+            successor_credit(predecessor_queries, predecessor_rows, keys, scale, margin))
     carried = carry_forward(credit + prior)
     return torch.maximum(carried, anchor_reach(credit))
 
@@ -150,4 +152,4 @@ class Topo(Policy):
             return inputs.keys.new_zeros(inputs.keys.shape[:2])
         return topo_scores(inputs.queries, inputs.keys, inputs.scale, self.config.score_margin,
                            chunk_queries=inputs.chunk_queries, predecessor_queries=inputs.predecessor_queries,
-                           predecessor_held=inputs.predecessor_held)
+                           predecessor_rows=inputs.predecessor_rows)

@@ -59,21 +59,22 @@ def test_scores_group_query_heads_by_kv_head(groups):
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("block_logits", [scoring.SHARE_BLOCK_LOGITS, 1])
 def test_successor_shares_against_float64_loops(groups, block_logits, monkeypatch):
-    """Row n (the query before token n) is credited over every key, later ones too, divided by
-    its sum; token n gets its own column's part, summed over the kv-head's query heads. With a
-    block of 1 logit every row is its own block."""
+    """The query before token n (row rows[n] of the chunk's queries) is credited over every key,
+    later ones too, divided by its sum; token n gets its own column's part, summed over the
+    kv-head's query heads. With a block of 1 logit every row is its own block."""
     monkeypatch.setattr(scoring, "SHARE_BLOCK_LOGITS", block_logits)
     g = torch.Generator().manual_seed(groups)
     kv_heads, n, d, scale = 2, 17, 8, 0.7
-    q = torch.randn(kv_heads * groups, n, d, generator=g)
+    q = torch.randn(kv_heads * groups, 25, d, generator=g)
+    rows = torch.randperm(25, generator=g)[:n]
     k = torch.randn(kv_heads, n, d, generator=g)
     expected = torch.zeros(kv_heads, n, dtype=torch.float64)
     for h in range(kv_heads * groups):
-        for row in range(n):
-            logits = scale * k[h // groups].double() @ q[h, row].double()  # over all n keys
+        for t in range(n):
+            logits = scale * k[h // groups].double() @ q[h, rows[t]].double()  # over all n keys
             credit = torch.relu(logits - logits.max() + DEFAULT_MARGIN)
-            expected[h // groups, row] += credit[row] / credit.sum()
-    torch.testing.assert_close(successor_shares(q, k, scale).double(), expected, rtol=1e-5, atol=1e-6)
+            expected[h // groups, t] += credit[t] / credit.sum()
+    torch.testing.assert_close(successor_shares(q, rows, k, scale).double(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_token_its_predecessor_singles_out_gets_its_whole_share():
@@ -84,9 +85,9 @@ def test_a_token_its_predecessor_singles_out_gets_its_whole_share():
     k = 10 * torch.stack([e[3], e[2], e[3], e[1], e[2], e[2]])[None]  # [1, 6, 4]
     q = torch.zeros(1, 6, 4)
     q[0, 3], q[0, 5] = e[1], e[2]
-    shares = successor_shares(q, k, 1.0)
+    shares = successor_shares(q, torch.arange(6), k, 1.0)
     assert shares[0, 3].item() == pytest.approx(1.0) and shares[0, 5].item() == pytest.approx(1 / 3)
-    ops = aten_ops(functools.partial(successor_shares, scale=1.0), q, k)
+    ops = aten_ops(functools.partial(successor_shares, scale=1.0), q, torch.arange(6), k)
     assert not ops & FORBIDDEN, ops & FORBIDDEN
 
 
