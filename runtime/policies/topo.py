@@ -49,8 +49,9 @@ ANCHOR_REACH = 40
 # Weight of the successor shares (`successor_credit`) beside the low-norm prior, both as shares of
 # the head's total. SmolLM2, 2K-token needles, float32, nominal 4x (3.44-3.47x achieved),
 # query-agnostic, validation seeds 1000-1019: number 0.60 -> 0.70 (weight 1), 0.75 (3), 0.75 (10);
-# word 0.70 -> 0.80 (3). The same shares max-pooled over every row of the chunk instead of
-# the predecessor's: number 0.65.
+# word 0.70 -> 0.80 (3); query-aware at 3: number 1.00 -> 1.00, uuid 0.55 -> 0.50. The same
+# shares max-pooled over every row of the chunk instead of the predecessor's: number 0.65.
+# Benchmark seeds and fidelity: README, "Successor shares".
 SUCCESSOR_WEIGHT = 3.0
 
 
@@ -105,9 +106,8 @@ def topo_scores(queries: torch.Tensor, keys: torch.Tensor, scale, margin: float,
     """The topo policy's token scores [Hkv, n]: the window's exp-free credit, a prefill chunk's
     own queries' credit (`chunk_queries`, when given), the low-norm prior and the successor shares
     (`successor_credit`, when a prefill chunk's queries and the rows of the tokens' predecessors
-    are given),
-    each as the head's shares, carried forward; the queries' strongest tokens carry theirs
-    further (`anchor_reach`).
+    are given), each as the head's shares, carried forward; the queries' strongest tokens carry
+    theirs further (`anchor_reach`).
     Each part as shares, so the window (a question's few queries) keeps its say however many
     document queries the chunk adds. The store calls it on live tensors;
     export/compressor.py traces it into the exported page compressor (with `num_queries` masking
