@@ -47,11 +47,8 @@ ANCHOR_STRENGTH = 8.0
 ANCHOR_REACH = 40
 
 # Weight of the successor shares (`successor_credit`) beside the low-norm prior, both as shares of
-# the head's total. SmolLM2, 2K-token needles, float32, nominal 4x (3.44-3.47x achieved),
-# query-agnostic, validation seeds 1000-1019: number 0.60 -> 0.70 (weight 1), 0.75 (3), 0.75 (10);
-# word 0.70 -> 0.80 (3); query-aware at 3: number 1.00 -> 1.00, uuid 0.55 -> 0.50. The same
-# shares max-pooled over every row of the chunk instead of the predecessor's: number 0.65.
-# Benchmark seeds and fidelity: README, "Successor shares".
+# the head's total: chosen among 1, 3 and 10 on SmolLM2's 2K needles (validation seeds 1000-1019);
+# the benchmark runs and fidelity are in README, "Successor shares".
 SUCCESSOR_WEIGHT = 3.0
 
 
