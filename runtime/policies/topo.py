@@ -104,7 +104,7 @@ def topo_scores(queries: torch.Tensor, keys: torch.Tensor, scale, margin: float,
     own queries' credit (`chunk_queries`, when given), the low-norm prior and the successor shares
     (`successor_credit`, when a prefill chunk's queries and the rows of the tokens' predecessors
     are given), each as the head's shares, carried forward; the queries' strongest tokens carry
-    theirs further (`anchor_reach`).
+    theirs further (`anchor_reach`), scaled to the whole score.
     Each part as shares, so the window (a question's few queries) keeps its say however many
     document queries the chunk adds. The store calls it on live tensors;
     export/compressor.py traces it into the exported page compressor (with `num_queries` masking
@@ -116,8 +116,11 @@ def topo_scores(queries: torch.Tensor, keys: torch.Tensor, scale, margin: float,
     if predecessor_queries is not None and bool((predecessor_rows >= 0).any()):
         prior = prior + SUCCESSOR_WEIGHT * shares(
             successor_credit(predecessor_queries, predecessor_rows, keys, scale, margin))
-    carried = carry_forward(credit + prior)
-    return torch.maximum(carried, anchor_reach(credit))
+    score = credit + prior
+    # Anchors carried in the whole score's units (its total over the credit's): the prior's parts
+    # add to every token, and compared in the credit's units alone a needle's reach lost to them.
+    in_score_units = score.sum(-1, keepdim=True) / credit.sum(-1, keepdim=True).clamp_min(torch.finfo(score.dtype).tiny)
+    return torch.maximum(carry_forward(score), anchor_reach(credit) * in_score_units)
 
 
 from .base import MidEncoding, Policy, ScoreInputs

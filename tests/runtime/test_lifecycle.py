@@ -393,6 +393,25 @@ def test_topo_keeps_a_long_span_after_a_strongly_attended_token():
     assert reached.min() > beyond.max(), (reached.min(), beyond.max())
 
 
+def test_an_anchors_reach_outranks_a_successor_share_carried_elsewhere():
+    """The question's anchor (token 5) is carried in the units of the whole score: a document
+    token (70) whose predecessor's query singled it out (its successor share, at
+    SUCCESSOR_WEIGHT) and the SUCCESSORS after it rank below every token of the anchor's reach.
+    Compared in the window credit's units alone, the anchor's reach lost to that share."""
+    dim, key, singled = 96, 5, 70
+    orthonormal, _ = torch.linalg.qr(torch.randn(dim, dim, generator=torch.Generator().manual_seed(3)))
+    keys = orthonormal.T[None] * dim ** 0.5
+    queries = keys[:, [key]] * 2.0
+    predecessor_queries = torch.zeros(1, dim, dim)  # no preference, except the row for token 70
+    predecessor_queries[0, singled] = keys[0, singled] * 3.0
+    rows = torch.arange(dim)
+    scores = topo_scores(queries, keys, dim ** -0.5, 4.0, predecessor_queries=predecessor_queries,
+                         predecessor_rows=rows)[0]
+    reached = scores[key + 1:key + ANCHOR_REACH + 1]
+    carried_share = scores[singled:singled + SUCCESSORS + 1]
+    assert reached.min() > carried_share.max(), (reached.min(), carried_share.max())
+
+
 def test_low_norm_prior_matches_float64_and_spans_zero_to_one():
     keys = torch.randn(3, 50, 16, generator=torch.Generator().manual_seed(1)).half()
     norms = keys.double().square().sum(-1)
