@@ -42,7 +42,8 @@ KEY_NORM_WEIGHT = 1.0
 # anchors at 16x the mean: 0.30; anchors from the window's credit alone: 0.45). The price, number
 # needles query-agnostic on the same seeds: 0.70 -> 0.60. Mean KL on six prose texts (seeds
 # 2000-2005): 2K at nominal 4x 0.0168 (carry alone) / 0.0149 (bridge) / 0.0150; 4K at nominal 8x
-# 0.0198 / 0.0232 / 0.0247.
+# 0.0198 / 0.0232 / 0.0247. Since the successor shares, `topo_scores` scales the reach to the whole
+# score's units (README, "Anchors in the whole score's units").
 ANCHOR_STRENGTH = 8.0
 ANCHOR_REACH = 40
 
