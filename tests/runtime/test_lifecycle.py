@@ -378,14 +378,20 @@ def test_anchor_reach_carries_only_anchors_credit_and_only_as_far_as_reach():
     assert anchor_reach(credit, strength=4.0, reach=0).tolist() == anchors_only.tolist()
 
 
+def _orthogonal_keys(dim: int) -> torch.Tensor:
+    """[1, dim, dim]: dim mutually orthogonal keys of norm sqrt(dim), so each query below credits
+    exactly the key it copies."""
+    orthonormal, _ = torch.linalg.qr(torch.randn(dim, dim, generator=torch.Generator().manual_seed(3)))
+    return orthonormal.T[None] * dim ** 0.5
+
+
 def test_topo_keeps_a_long_span_after_a_strongly_attended_token():
     """Queries that read a needle's key (token 5) make topo rank the tokens past the key's
     SUCCESSORS, up to ANCHOR_REACH after it, above every token beyond that reach (which only
     the low-norm prior and faint credit reach): a 35-token uuid after its key is kept to its end."""
     dim, key = 96, 5
     assert ANCHOR_REACH > SUCCESSORS + 1
-    orthonormal, _ = torch.linalg.qr(torch.randn(dim, dim, generator=torch.Generator().manual_seed(3)))
-    keys = orthonormal.T[None] * dim ** 0.5
+    keys = _orthogonal_keys(dim)
     queries = keys[:, [key]] * 2.0  # [1, 1, dim]
     scores = topo_scores(queries, keys, dim ** -0.5, 4.0)[0]
     reached = scores[key + SUCCESSORS + 1:key + ANCHOR_REACH + 1]
@@ -399,8 +405,7 @@ def test_an_anchors_reach_outranks_a_successor_share_carried_elsewhere():
     SUCCESSOR_WEIGHT) and the SUCCESSORS after it rank below every token of the anchor's reach.
     Compared in the window credit's units alone, the anchor's reach lost to that share."""
     dim, key, singled = 96, 5, 70
-    orthonormal, _ = torch.linalg.qr(torch.randn(dim, dim, generator=torch.Generator().manual_seed(3)))
-    keys = orthonormal.T[None] * dim ** 0.5
+    keys = _orthogonal_keys(dim)
     queries = keys[:, [key]] * 2.0
     predecessor_queries = torch.zeros(1, dim, dim)  # no preference, except the row for token 70
     predecessor_queries[0, singled] = keys[0, singled] * 3.0
