@@ -584,11 +584,11 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     lengths = sorted({n for ns in cells.values() for n in ns} | set(args.fidelity_lengths))
     plans, skipped = {}, []
-    topo_coding = {} if args.topo_recent_bits is None else dict(recent_bits=args.topo_recent_bits)
+    topo_overrides = {} if args.topo_recent_bits is None else dict(recent_bits=args.topo_recent_bits)
     for length in lengths:
         calibration = torch.tensor([prompts.text_window(CALIBRATION_SEED, length)])
         plans[length], skip = quality.plan_configs(args.policies, args.ratios, length, model, calibration,
-                                                  topo_coding=lambda ratio: topo_coding)
+                                                  topo_coding=lambda ratio: topo_overrides)
         skipped += skip
     seconds["plan"] = time.perf_counter() - t0
     for s in skipped:
