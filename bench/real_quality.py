@@ -50,7 +50,10 @@ Policies and ratios: kvtopo's ``full``, ``topo``, ``snapkv``, ``h2o``, ``knorm``
 ``bench/quality.py`` does (``quality.plan_configs``: a ratio budget for the evicting policies,
 kivi's bits, palu's energy calibrated per length on prose), except topo's Mid coding, which is
 ``kvtopo.Config()``'s at every ratio (4-bit codes, no projection). Lifecycle windows are ``kvtopo.Config()``'s defaults (what a user gets); only
-``prefill_chunk_size`` is raised so that a prompt is one chunk. Every cell reports the achieved
+``prefill_chunk_size`` is raised so that a prompt is one chunk (``--prefill-chunk N``: N-token chunks,
+e.g. 512, ``kvtopo.generate``'s default: every page then leaves Recent ranked by the queries of the
+chunk that pushed it out, before the question is read, in both settings; kvpress still compresses
+the whole prompt once). Every cell reports the achieved
 ``ratio`` = ``stats().ratio_vs_fp16`` (fp16 bytes of the tokens over every byte the session
 holds, metadata and free pool slots included) and ``kept`` = the tokens still held (any form)
 over the tokens seen, both at the end of each answer.
@@ -515,6 +518,9 @@ def parse_args(argv):
     p.add_argument("--topo-recent-bits", type=int, default=None, choices=(2, 4, 8),
                    help="topo's recent_bits (default the Config's, 8); at 2K in float32 the exact and 8-bit Recent "
                         "pages hold a nominal 4x at 3.5x, 4-bit Recent meets it")
+    p.add_argument("--prefill-chunk", type=int, default=WINDOWS["prefill_chunk_size"],
+                   help="tokens per prefill forward in kvtopo's sessions (default %(default)s: a prompt is one "
+                        "chunk; 512 is kvtopo.generate's default)")
     p.add_argument("--lengths-file", type=Path, default=LENGTHS_FILE,
                    help="the --measure-lengths JSON that decides the cells (default %(default)s)")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and PNGs (default bench/results)")
@@ -523,8 +529,8 @@ def parse_args(argv):
     measure = args.measure_lengths
     args.examples = args.examples or quick.get("examples", 5 if measure else DEFAULT_EXAMPLES)
     args.seed_offset = args.seed_offset if args.seed_offset is not None else (VALIDATION_SEEDS if measure else 0)
-    if args.examples < 1 or args.seed_offset < 0:
-        p.error("--examples must be >= 1 and --seed-offset >= 0")
+    if args.examples < 1 or args.seed_offset < 0 or args.prefill_chunk < 1:
+        p.error("--examples, --prefill-chunk must be >= 1 and --seed-offset >= 0")
     if args.seed_offset < VALIDATION_SEEDS < args.seed_offset + args.examples:
         p.error(f"seeds {args.seed_offset}..{args.seed_offset + args.examples - 1} mix benchmark seeds "
                 f"(< {VALIDATION_SEEDS}) with validation seeds")
@@ -540,6 +546,13 @@ def parse_args(argv):
     args.fidelity_texts = args.fidelity_texts or quick.get("fidelity_texts", 2)
     args.dtype = args.dtype or quick.get("dtype", "float32" if measure else "bfloat16")
     return args
+
+
+def use_windows(args) -> None:
+    """Every session config of this run (`config_of`, and quality.plan_configs' calibration):
+    kvtopo.Config()'s lifecycle windows, with `--prefill-chunk` tokens per prefill forward."""
+    quality.WINDOWS.clear()
+    quality.WINDOWS.update(WINDOWS, prefill_chunk_size=args.prefill_chunk)
 
 
 def cells_of(args) -> tuple[dict, dict | None]:
@@ -566,8 +579,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    quality.WINDOWS.clear()  # quality.plan_configs builds its calibration configs from these
-    quality.WINDOWS.update(WINDOWS)
+    use_windows(args)
     cells, measured = cells_of(args)
     stem = ("real_quality_lengths" if args.measure_lengths else "real_quality_quick" if args.quick
             else "real_quality") + ("_val" if args.seed_offset >= VALIDATION_SEEDS and not args.measure_lengths else "")

@@ -260,6 +260,26 @@ def test_kvpress_runner_presses_a_tiny_llama():
     assert out["kvzip_tokenizer"] == out["tokenizer"] and 0 not in out["tokenizer"]
 
 
+def test_prefill_chunk_reaches_every_session_config_and_bad_values_are_refused(capsys):
+    import quality
+
+    saved = dict(quality.WINDOWS)
+    try:
+        real_quality.use_windows(real_quality.parse_args([]))
+        whole = real_quality.config_of(dict(policy="topo", overrides=dict(target_ratio=4.0)))
+        real_quality.use_windows(real_quality.parse_args(["--prefill-chunk", "512"]))
+        chunked = real_quality.config_of(dict(policy="topo", overrides=dict(target_ratio=4.0)))
+    finally:
+        quality.WINDOWS.clear()
+        quality.WINDOWS.update(saved)
+    assert whole.prefill_chunk_size == real_quality.WINDOWS["prefill_chunk_size"] == 8192
+    assert chunked.prefill_chunk_size == 512
+    assert chunked.replace(prefill_chunk_size=8192) == whole  # nothing else changes
+    with pytest.raises(SystemExit):
+        real_quality.parse_args(["--prefill-chunk", "0"])
+    assert "--prefill-chunk must be >= 1" in capsys.readouterr().err
+
+
 def test_measured_lengths_pick_solved_cells_and_merge_a_remeasured_task(tmp_path, capsys):
     from types import SimpleNamespace
 
