@@ -81,7 +81,7 @@ def expfree_scores(q_obs: Tensor, k: Tensor, scale, margin: float = DEFAULT_MARG
 
 
 # Logits a block of `successor_shares` holds at once (float32: 2 MB, about a core's L2, so the
-# passes over them after the product stay in cache; its prefill cost: README, "Successor shares").
+# passes over them after the product stay in cache; its prefill cost: docs/measurements.md, "Successor shares").
 SHARE_BLOCK_LOGITS = 1 << 19
 
 

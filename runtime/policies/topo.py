@@ -43,13 +43,13 @@ KEY_NORM_WEIGHT = 1.0
 # needles query-agnostic on the same seeds: 0.70 -> 0.60. Mean KL on six prose texts (seeds
 # 2000-2005): 2K at nominal 4x 0.0168 (carry alone) / 0.0149 (bridge) / 0.0150; 4K at nominal 8x
 # 0.0198 / 0.0232 / 0.0247. Since the successor shares, `topo_scores` scales the reach to the whole
-# score's units (README, "Anchors in the whole score's units").
+# score's units (docs/measurements.md, "Anchors in the whole score's units").
 ANCHOR_STRENGTH = 8.0
 ANCHOR_REACH = 40
 
 # Weight of the successor shares (`successor_credit`) beside the low-norm prior, both as shares of
 # the head's total: chosen among 1, 3 and 10 on SmolLM2's 2K needles (validation seeds 1000-1019);
-# the benchmark runs and fidelity are in README, "Successor shares".
+# the benchmark runs and fidelity are in docs/measurements.md, "Successor shares".
 SUCCESSOR_WEIGHT = 3.0
 
 
