@@ -189,11 +189,12 @@ class SessionForward:
         self.step, self.chunk, self.position = _SessionForward(model, session), session.config.prefill_chunk_size, 0
 
     def __call__(self, ids) -> torch.Tensor:
+        prompt_end = [self.position + len(ids)]  # every chunk budgeted at the call's end, as kvtopo.generate does
         for start in range(0, len(ids), self.chunk):
             piece = torch.tensor([ids[start:start + self.chunk]])
             n = piece.shape[1]
             logits = self.step(piece, torch.arange(self.position, self.position + n)[None],
-                               torch.ones(1, n, dtype=torch.bool))
+                               torch.ones(1, n, dtype=torch.bool), prompt_end)
             self.position += n
         return logits[0]
 

@@ -314,9 +314,10 @@ def _token_list(name: str, value, vocab: int | None, single: bool, source: str) 
 
 # -- the loop's pieces --------------------------------------------------------------------------
 def _prefill(forward, input_ids, positions, mask, chunk: int, bar) -> torch.Tensor:
+    prompt_end = mask.sum(1).tolist()  # each row's real tokens: the session budgets every chunk at its prompt's end
     for start in range(0, input_ids.shape[1], chunk):
         end = min(start + chunk, input_ids.shape[1])
-        logits = forward(input_ids[:, start:end], positions[:, start:end], mask[:, start:end])
+        logits = forward(input_ids[:, start:end], positions[:, start:end], mask[:, start:end], prompt_end)
         bar.update(end - start)
     return logits
 
@@ -334,10 +335,10 @@ class _SessionForward:
     def __init__(self, model, session: Session):
         self.model, self.session = model, session
 
-    def __call__(self, ids, positions, valid) -> torch.Tensor:
+    def __call__(self, ids, positions, valid, prompt_end=None) -> torch.Tensor:
         padding = {} if bool(valid.all()) else {"attention_mask": valid.long()}
         calls = self.session.calls
-        with self.session.step(valid):
+        with self.session.step(valid, prompt_end):
             logits = _last_logits(self.model(input_ids=ids, position_ids=positions, use_cache=False, **padding))
         if self.session.calls == calls:  # the model saw these tokens alone, without their history
             raise RuntimeError(
@@ -363,7 +364,7 @@ class _UncompressedForward:
             self.cache_argument = next((name for name in ("cache", "past_key_values") if name in accepted), None)
         self.ids = self.positions = self.valid = None
 
-    def __call__(self, ids, positions, valid) -> torch.Tensor:
+    def __call__(self, ids, positions, valid, prompt_end=None) -> torch.Tensor:  # its own cache keeps every token
         grow = lambda held, new: new if held is None else torch.cat([held, new], 1)  # noqa: E731
         self.ids, self.positions, self.valid = grow(self.ids, ids), grow(self.positions, positions), grow(self.valid, valid)
         with context.suspended():

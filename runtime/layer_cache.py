@@ -245,10 +245,13 @@ class LayerCache(Lifecycle):
         self.write_back()
         super().observe(self._entry(seq), queries, kv_heads)
 
-    def append(self, seq: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Append key [Hkv, n, dk] / value [Hkv, n, dv] to `seq`, then move pages through phases."""
+    def append(self, seq: int, key: torch.Tensor, value: torch.Tensor, prompt_end: int = 0) -> None:
+        """Append key [Hkv, n, dk] / value [Hkv, n, dv] to `seq`, then move pages through phases.
+        `prompt_end`: the length the prompt this chunk belongs to reaches (0: this append's end)."""
         self.write_back()
-        self.append_entry(self._entry(seq), key, value)
+        entry = self._entry(seq)
+        entry.prompt_end = prompt_end
+        self.append_entry(entry, key, value)
 
     def append_entry(self, entry: SequenceKV, key: torch.Tensor, value: torch.Tensor) -> None:
         """`append` to a sequence's state (a decode batch appends its due sequences here, each
@@ -499,7 +502,8 @@ class LayerCache(Lifecycle):
         (`Policy.across_heads`). {page index: kept token indices}; empty
         when nothing is ranked (no budget, or every Mid token dropped) or only one page moves
         (it is ranked alone, as under "page")."""
-        budget = self.budget(entry.final_length)
+        length = self.budget_length(entry)
+        budget = self.budget(length)
         if not self.mid_encoding.evict or budget is None or self.mid_encoding.max_tokens == 0:
             return {}
         P = self.config.page_size
@@ -529,11 +533,14 @@ class LayerCache(Lifecycle):
         empty, first, per_row = self.mid_row_costs(entry)
         cost = len(group) * empty + torch.cumsum(torch.where(picked % P == 0, first, per_row), 0)
         held = self._bytes_beside_group(entry, group, count)
-        room = page_room(budget, held, held - self.mid_nbytes(entry), len(group) * P, len(group) * P,
+        # The group's share of the room: its tokens among those entering Mid until `length` (the
+        # prompt's end when the caller said it, else this append's end: the group alone).
+        coming = max(len(group) * P, self.plan.mid_pages(-(-length // P)) * P - entry.mid_tokens)
+        room = page_room(budget, held, held - self.mid_nbytes(entry), len(group) * P, coming,
                          self.config, self.fp16_token_bytes())
         if room < 0 and self.config.over_budget == "raise":
             raise BudgetExceeded(
-                f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {entry.final_length} tokens: "
+                f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {length} tokens: "
                 f"the exact/Recent pages and metadata will hold {budget - room:.0f} bytes; lower "
                 "sink_tokens/recent_tokens, or allow over_budget='evict'")
         taken = int((cost <= room).sum())  # cost only grows along `picked`

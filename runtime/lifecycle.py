@@ -107,6 +107,7 @@ class SequenceState:
     pages: list = field(default_factory=list)
     length: int = 0
     final_length: int = 0  # the length this sequence reaches when the current append ends
+    prompt_end: int = 0  # the length its prompt reaches, when the caller feeds it in chunks and says so (0: not said)
     mid_tokens: int = 0  # tokens of the pages that entered Mid, before eviction
     mid: object = None  # the executor's Mid epoch that pages enter now (None before the first)
     next_refit: int | None = None  # the length at which the next Mid epoch starts
@@ -262,6 +263,15 @@ class Lifecycle:
             return None
         return 2 * max(fitted_at, self.config.refit_after)
 
+    @staticmethod
+    def budget_length(seq: SequenceState) -> int:
+        """The length an append's pages entering Mid are budgeted at: the append's end, or the end
+        of the prompt it is a chunk of (`prompt_end`), so that a prompt fed in chunks is compressed
+        as one chunk would be. Judged at each chunk's end instead, the first chunks' fixed pages
+        exceed their budget, their Mid pages keep their floor (`page_room`), and the last chunks'
+        pages -- the ones a continuation reads most -- pay for it."""
+        return max(seq.length, seq.final_length, seq.prompt_end)
+
     def budget(self, length: int) -> float | None:
         """Bytes one sequence-layer may hold at `length` tokens (None: no budget)."""
         limits = []
@@ -279,7 +289,7 @@ class Lifecycle:
             return tokens
         cap = self.mid_encoding.max_tokens
         keep = tokens if cap is None else min(cap, tokens)
-        length = max(seq.length, seq.final_length)
+        length = self.budget_length(seq)
         budget = self.budget(length)
         if budget is None:
             return keep

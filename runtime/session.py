@@ -62,6 +62,7 @@ class Session:
         self._batch: int | None = None
         self._step_valid: torch.Tensor | None = None
         self._step_full: list[int] | None = None  # the step's rows without padding
+        self._prompt_end: dict[int, int] = {}  # sequence -> the length its prompt reaches (`step`)
         self._mask_passed: _PassedMask | None = None  # the last mask (and arguments) that passed the checks
         self._token = None
         self._models: dict[int, tuple[weakref.ref, str]] = {}  # id(model key) -> (its ref, name)
@@ -90,16 +91,25 @@ class Session:
         self._batch = None
 
     @contextmanager
-    def step(self, valid: torch.Tensor):
-        """Mark which tokens of the next forward's chunk are real ([B, T] bool; False = padding)."""
+    def step(self, valid: torch.Tensor, prompt_end: Sequence[int] | None = None):
+        """Mark which tokens of the next forward's chunk are real ([B, T] bool; False = padding).
+        `prompt_end`: when the chunk is part of a longer prompt, the length (real tokens) each row's
+        sequence reaches at the prompt's end; its pages are then budgeted at that length, as if the
+        prompt came in one chunk (`Lifecycle.budget_length`)."""
         if valid.dtype != torch.bool or valid.dim() != 2:
             raise ValueError(f"step validity must be a [batch, tokens] bool tensor, got {valid.dtype} {tuple(valid.shape)}")
+        ends = [] if prompt_end is None else [int(n) for n in prompt_end]
+        if prompt_end is not None and (len(ends) != valid.shape[0] or min(ends) < 0):
+            raise ValueError(f"prompt_end must give one length >= 0 per row of the step's batch of {valid.shape[0]}, "
+                             f"got {ends}")
         self._step_valid = valid
         self._step_full = valid.all(1).nonzero().squeeze(1).tolist()
+        self._prompt_end = dict(enumerate(ends))
         try:
             yield
         finally:
             self._step_valid = self._step_full = None
+            self._prompt_end = {}
 
     # -- the op's entry point -------------------------------------------------------------------
     def attend(self, layer: str, query, key, value, attn_mask, scale: float, *, is_causal: bool = True,
@@ -331,7 +341,7 @@ class Session:
             if tracks_mass:
                 _accumulate_mass(cache, seq, q, parts, scale, softcap)
         cache.observe(seq, q, k.shape[0])
-        cache.append(seq, k, v[..., :0] if cache.shared_value_dim else v)
+        cache.append(seq, k, v[..., :0] if cache.shared_value_dim else v, prompt_end=self._prompt_end.get(seq, 0))
         return out
 
     # -- accounting ------------------------------------------------------------------------------

@@ -274,6 +274,62 @@ def test_pages_one_chunk_pushes_into_mid_share_the_budget_by_tokens():
     assert not stats.budget_missed
 
 
+def _ratio_in_chunks(config, chunks, prompt_end=None, n=1024, dim=32):
+    """The achieved ratio after feeding the same K/V in `chunks`, each step told `prompt_end`."""
+    k, v = _structured_kv(n, heads=2, dim=dim, dtype=torch.float16)
+    q = torch.randn(1, 4, n, dim, dtype=torch.float16, generator=torch.Generator().manual_seed(1))
+    with kvtopo.session(config) as s:
+        start = 0
+        for size in chunks:
+            with s.step(torch.ones(1, size, dtype=torch.bool), prompt_end):
+                s.attend("l", q[:, :, start:start + size], k[None, :, start:start + size],
+                         v[None, :, start:start + size], None, dim ** -0.5)
+            start += size
+        return s.stats().ratio_vs_fp16
+
+
+def test_a_prompt_in_chunks_told_its_end_holds_the_bytes_of_one_chunk():
+    """Judged at each chunk's end, the first chunks' exact and Recent pages exceed their budget,
+    their Mid pages keep their floor, and the prompt ends holding more than one chunk would; told
+    the prompt's end (`Session.step(prompt_end=...)`, what kvtopo.generate says), every chunk is
+    budgeted at it and the chunks hold what one chunk holds."""
+    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=64, target_ratio=8.0, observation_window=4)
+    whole = _ratio_in_chunks(config, [1024])
+    alone = _ratio_in_chunks(config, [128] * 8)
+    told = _ratio_in_chunks(config, [128] * 8, prompt_end=[1024])
+    assert alone < 0.9 * whole
+    assert told == pytest.approx(whole, rel=0.02)
+
+
+def test_generate_tells_every_prefill_chunk_its_rows_prompt_end(monkeypatch):
+    """kvtopo.generate feeds a prompt in `prefill_chunk_size` chunks and says where each row's
+    prompt ends (its real tokens, padding left out); decode steps say nothing."""
+    from kvtopo.models import zoo
+    from kvtopo.runtime.session import Session
+
+    told, step = [], Session.step
+
+    def spy(self, valid, prompt_end=None):
+        told.append(None if prompt_end is None else list(prompt_end))
+        return step(self, valid, prompt_end)
+
+    monkeypatch.setattr(Session, "step", spy)
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    ids = torch.randint(3, 100, (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, :5] = False
+    kvtopo.generate(model, ids, 3, config=kvtopo.Config(prefill_chunk_size=16), attention_mask=mask)
+    assert told == [[40, 35]] * 3 + [None] * 2  # chunks of 16, 16, 8; then two decode steps
+
+
+def test_prompt_end_needs_one_length_per_row():
+    with kvtopo.session(kvtopo.Config()) as s:
+        for bad in ([10, 20], [-1]):
+            with pytest.raises(ValueError, match="prompt_end must give one length >= 0 per row"):
+                with s.step(torch.ones(1, 4, dtype=torch.bool), bad):
+                    pass
+
+
 def _planted_hit(n=1024, dim=32, hit=300, window=4):
     """Structured K/V and queries whose last `window` positions all look for token `hit`."""
     k, v = _structured_kv(n, heads=2, dim=dim, dtype=torch.float16)
