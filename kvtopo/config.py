@@ -81,7 +81,9 @@ class Config:
     its tokens' share of the room and ranks its tokens alone (what exported graphs do).
     `policy="palu"` projects without codes; its energies default to 0.9 when neither is set.
     `max_pages`: per-layer limit of the exact page pool (None: grow). A full pool raises.
-    `prefill_chunk_size`: prompt tokens per forward in `kvtopo.generate`.
+    `prefill_chunk_size`: prompt tokens per forward in `kvtopo.generate` (every chunk budgeted at
+    the prompt's end; a page is ranked by the queries of the chunk that pushes it out of Recent, so
+    larger chunks rank with more of the prompt seen: README, Known limitations).
     """
 
     policy: str = "topo"
