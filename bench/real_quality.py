@@ -183,13 +183,14 @@ def forced_logits(forward, prefix, forced) -> torch.Tensor:
 
 class SessionForward:
     """`forward` for `converse` through a kvtopo session: explicit positions, chunks of the
-    session's `prefill_chunk_size`."""
+    session's `prefill_chunk_size`, each budgeted at the end of the call's ids (`Session.step`'s
+    `prompt_end`)."""
 
     def __init__(self, model, session):
         self.step, self.chunk, self.position = _SessionForward(model, session), session.config.prefill_chunk_size, 0
 
     def __call__(self, ids) -> torch.Tensor:
-        prompt_end = [self.position + len(ids)]  # every chunk budgeted at the call's end, as kvtopo.generate does
+        prompt_end = [self.position + len(ids)]
         for start in range(0, len(ids), self.chunk):
             piece = torch.tensor([ids[start:start + self.chunk]])
             n = piece.shape[1]

@@ -94,7 +94,7 @@ class Session:
     def step(self, valid: torch.Tensor, prompt_end: Sequence[int] | None = None):
         """Mark which tokens of the next forward's chunk are real ([B, T] bool; False = padding).
         `prompt_end`: when the chunk is part of a longer prompt, the length (real tokens) each row's
-        sequence reaches at the prompt's end; its pages are then budgeted at that length, as if the
+        sequence (row b: sequence b, as in `attend`) reaches at the prompt's end; its pages are then budgeted at that length, as if the
         prompt came in one chunk (`Lifecycle.budget_length`)."""
         if valid.dtype != torch.bool or valid.dim() != 2:
             raise ValueError(f"step validity must be a [batch, tokens] bool tensor, got {valid.dtype} {tuple(valid.shape)}")
