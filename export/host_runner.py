@@ -354,8 +354,9 @@ class HostRunner:
         """Bytes of KV state the session would report (pages + metadata), summed over layers."""
         return sum(layer.sequence_nbytes(layer.seq) for layer in self.layers)
 
-    def forward(self, input_ids: np.ndarray) -> np.ndarray:
-        """Run one chunk [T] (or [1, T]) of token ids; returns logits [T, V] and stores the chunk."""
+    def forward(self, input_ids: np.ndarray, prompt_end: int = 0) -> np.ndarray:
+        """Run one chunk [T] (or [1, T]) of token ids; returns logits [T, V] and stores the chunk.
+        `prompt_end`: the length the prompt this chunk belongs to reaches, as `Session.step` takes it."""
         ids = np.asarray(input_ids, np.int64).reshape(1, -1)
         T = ids.shape[1]
         if self.layout.tokens is not None and T != self.layout.tokens:
@@ -375,6 +376,7 @@ class HostRunner:
             # float16 outputs (the "npu" profile) are held as float32 (exactly), as the lifecycle works.
             layer.observe(layer.seq, torch.from_numpy(out[f"queries_{i}"]).float(), self.layout.kv_heads)
             new_v = out.get(f"new_v_{i}")  # absent when the values live in the keys (MLA)
+            layer.seq.prompt_end = prompt_end
             layer.append(torch.from_numpy(out[f"new_k_{i}"]).float(),
                          None if new_v is None else torch.from_numpy(new_v).float())
         self.position += T
@@ -389,7 +391,7 @@ class HostRunner:
         chunk = prefill_chunk_size or self.config.prefill_chunk_size
         self.reset()
         for start in range(0, len(ids), chunk):
-            logits = self.forward(ids[start:start + chunk])[-1]
+            logits = self.forward(ids[start:start + chunk], prompt_end=len(ids))[-1]
         tokens, step_logits = [], []
         for step in range(max_new_tokens):
             step_logits.append(logits)

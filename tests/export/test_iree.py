@@ -36,10 +36,10 @@ def _assert_matches_session(session_references, name, out, config):
                                                 runtimes=("iree",))["iree"]
     assert runner.executor.runtime == "iree"
     # Prefill chunks of 64 and single-token steps ran through the one dynamic-token module, and
-    # every phase occurred with Mid pages kept whole, partly and not at all (the compressor ran).
+    # every phase occurred with Mid pages kept partly (the compressor ran).
     assert {p.phase.value for layer in runner.layers for p in layer.pages} == {"initial", "mid", "recent", "terminal"}
     kept = [p.kept for layer in runner.layers for p in layer.pages if p.kept is not None]
-    assert 0 in kept and config.page_size in kept and any(0 < k < config.page_size for k in kept), kept
+    assert any(0 < k < config.page_size for k in kept), kept  # the prompt's chunks share the cap by tokens
 
 
 def test_iree_host_runner_matches_session(llama_iree, session_references):

@@ -22,7 +22,7 @@ CONFIGS = {
     # Recent windows short enough that a 256 + 32-token run has pages in every phase.
     "lossless": Config.lossless(page_size=16, recent_tokens=64, prefill_chunk_size=64),
     "default": Config(recent_tokens=64),  # Config()'s coding
-    # Small pages and a byte budget under which Mid pages are kept whole, partly and not at all
+    # Small pages and a byte budget under which Mid pages are kept partly
     # (on this model's 40-dim latent: the exact pages and metadata alone hold ~20 KB).
     "budget": CONFIG.replace(layer_budget_bytes=22000),
 }
@@ -52,7 +52,7 @@ def test_mla_host_runner_matches_session(which, onnx_export, session_references)
         else:
             assert any(p.recent is not None and p.recent.values is None for p in pages)  # Recent codes of the keys only
         if which == "budget":
-            assert 0 in kept and config.page_size in kept and any(0 < k < config.page_size for k in kept), kept
+            assert any(0 < k < config.page_size for k in kept), kept  # the prompt's chunks share the cap by tokens
 
 
 @pytest.fixture(scope="module")

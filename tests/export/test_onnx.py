@@ -63,11 +63,13 @@ def test_host_runner_matches_session(name, onnx_export, session_references):
 
 
 def assert_every_phase_and_partial_eviction(runner):
-    """Every phase really occurred; eviction kept some Mid pages whole, some partly, some not at all."""
+    """Every phase really occurred, and eviction kept Mid pages partly. (A prompt's chunks share the
+    byte cap by tokens, budgeted at the prompt's end as the session does: before that, the first
+    chunks' pages were kept whole and the last ones' not at all.)"""
     phases = {p.phase.value for layer in runner.layers for p in layer.pages}
     assert phases == {"initial", "mid", "recent", "terminal"}, runner.executor.runtime
     kept = [p.kept for layer in runner.layers for p in layer.pages if p.kept is not None]
-    assert 0 in kept and CONFIG.page_size in kept and any(0 < k < CONFIG.page_size for k in kept), kept
+    assert any(0 < k < CONFIG.page_size for k in kept), kept
 
 
 @pytest.fixture(scope="module")

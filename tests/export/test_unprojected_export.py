@@ -21,7 +21,7 @@ from export_common import CONFIG, assert_host_runner_matches_session, export_mod
 PROMPT, NEW = 256, 32
 UNPROJECTED = CONFIG.replace(key_energy=None, value_energy=None)
 # Unprojected pages cost more than projected ones: at 22 KB per layer the zoo Llama's Mid pages are
-# kept whole, partly and not at all (24 KB, CONFIG's budget, keeps pages whole or drops them).
+# kept partly.
 CONFIGS = {"evicting": UNPROJECTED.replace(layer_budget_bytes=22000),
            "no-budget": UNPROJECTED.replace(layer_budget_bytes=None),
            # kivi: the same Mid codes, no eviction, Recent pages exact.
@@ -46,7 +46,7 @@ def test_unprojected_host_runner_matches_session(which, onnx_export, session_ref
         assert any(p.recent is not None for p in pages) == (which != "kivi")
         kept = [p.kept for p in pages if p.kept is not None]
         if which == "evicting":
-            assert 0 in kept and config.page_size in kept and any(0 < k < config.page_size for k in kept), kept
+            assert any(0 < k < config.page_size for k in kept), kept  # the prompt's chunks share the cap by tokens
         else:
             assert set(kept) == {config.page_size}, kept
         layer = runner.layers[0]
@@ -60,7 +60,7 @@ def test_unprojected_host_runner_matches_session(which, onnx_export, session_ref
 
 def test_unprojected_mla_host_runner_matches_session(onnx_export, session_references):
     """DeepSeek-V3 (MLA): the latent + RoPE key coded per channel, values read from the codes."""
-    config = UNPROJECTED.replace(layer_budget_bytes=22000)  # pages kept whole, partly and not at all
+    config = UNPROJECTED.replace(layer_budget_bytes=22000)  # Mid pages kept partly
     out, paths = onnx_export("deepseek-v3", config, PROMPT + NEW)
     inputs = {i.name for i in onnx.load(paths["decode_step"]).graph.input}
     assert "mid_k_codes_0" in inputs and not [n for n in inputs if n.startswith(("mid_v", "key_", "value_"))]
@@ -68,7 +68,7 @@ def test_unprojected_mla_host_runner_matches_session(onnx_export, session_refere
     for runner in assert_host_runner_matches_session(session_references, "deepseek-v3", out, config, PROMPT, NEW,
                                                      runtimes=("onnxruntime",)).values():
         kept = [p.kept for layer in runner.layers for p in layer.pages if p.kept is not None]
-        assert 0 in kept and config.page_size in kept and any(0 < k < config.page_size for k in kept), kept
+        assert any(0 < k < config.page_size for k in kept), kept  # the prompt's chunks share the cap by tokens
 
 
 @pytest.fixture(scope="module")
