@@ -535,9 +535,8 @@ class LayerCache(Lifecycle):
         held = self._bytes_beside_group(entry, group, count)
         # The group's share of the room: its tokens among those entering Mid until `length` (the
         # prompt's end when the caller said it, else this append's end: the group alone).
-        coming = max(len(group) * P, self.plan.mid_pages(-(-length // P)) * P - entry.mid_tokens)
-        room = page_room(budget, held, held - self.mid_nbytes(entry), len(group) * P, coming,
-                         self.config, self.fp16_token_bytes())
+        room = page_room(budget, held, held - self.mid_nbytes(entry), len(group) * P,
+                         self.mid_tokens_coming(entry, length), self.config, self.fp16_token_bytes())
         if room < 0 and self.config.over_budget == "raise":
             raise BudgetExceeded(
                 f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {length} tokens: "

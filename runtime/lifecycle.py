@@ -273,6 +273,11 @@ class Lifecycle:
         docs/measurements.md, "Prompts in 512-token chunks")."""
         return max(seq.length, seq.final_length, seq.prompt_end)
 
+    def mid_tokens_coming(self, seq: SequenceState, length: int) -> int:
+        """Tokens that enter Mid from now until the sequence reaches `length`: those a page or an
+        append's group shares the room with (`page_room`)."""
+        return self.plan.mid_pages(-(-length // self.config.page_size)) * self.config.page_size - seq.mid_tokens
+
     def budget(self, length: int) -> float | None:
         """Bytes one sequence-layer may hold at `length` tokens (None: no budget)."""
         limits = []
@@ -284,7 +289,7 @@ class Lifecycle:
 
     def keep_count(self, seq: SequenceState, page: PageState) -> int:
         """How many of its tokens a page entering Mid keeps: the policy's cap, then what the
-        budget at the append's end leaves it (`page_room`)."""
+        budget at `budget_length` leaves it (`page_room`)."""
         tokens = page.tokens
         if not self.mid_encoding.evict:
             return tokens
@@ -294,11 +299,9 @@ class Lifecycle:
         budget = self.budget(length)
         if budget is None:
             return keep
-        P = self.config.page_size
         held = self.sequence_nbytes(seq) - self.page_nbytes(page)
-        room = page_room(budget, held, held - self.mid_nbytes(seq), tokens,
-                         self.plan.mid_pages(-(-length // P)) * P - seq.mid_tokens, self.config,
-                         self.fp16_token_bytes())
+        room = page_room(budget, held, held - self.mid_nbytes(seq), tokens, self.mid_tokens_coming(seq, length),
+                         self.config, self.fp16_token_bytes())
         if keep > 0 and self.mid_page_nbytes(seq, keep) > room:
             keep = self._rows_within(seq, keep, room)
         if keep == 0 and room < 0 and self.config.over_budget == "raise":
