@@ -5,8 +5,10 @@ One command: `python bench/prefill_speed.py [--prompts 4096 8192] [--chunks 4096
 work, not the model's, is what differs), compiled with `kvtopo.compile(model, inductor=False)`,
 on 1 torch thread. Each case is `kvtopo.generate(model, ids, 1)` (prefill in chunks of `chunk`
 tokens, then the first token from the last chunk's logits: no decode step), timed after a
-warm-up; Config() and lossless runs alternate within the same process, and each mode's best of
-`repeats` is reported with the ratio Config()/lossless. The 1-minute load average is recorded
+warm-up; Config(), Config(prompt_hold_tokens=0) (each chunk's pages enter Mid as it pushes them
+out of Recent) and lossless runs alternate within the same process, and each mode's best of
+`repeats` is reported with its ratio to lossless. The warm-up also records the most bytes the
+store held after any chunk (what waiting pages cost while the prompt is read). The 1-minute load average is recorded
 before and after (the machine may be shared). `--profile` adds a cProfile breakdown of one
 Config() prefill per case (top functions by own time). Writes bench/results/<out>.
 """
@@ -14,6 +16,7 @@ Config() prefill per case (top functions by own time). Writes bench/results/<out
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -28,7 +31,8 @@ import kvtopo
 from kvtopo.models import zoo
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODES = {"lossless": kvtopo.Config.lossless, "config": kvtopo.Config}
+MODES = {"lossless": kvtopo.Config.lossless, "config": kvtopo.Config,
+         "no_hold": lambda: kvtopo.Config(prompt_hold_tokens=0)}
 
 
 def prefill(model, ids: torch.Tensor, config: kvtopo.Config, chunk: int) -> int:
@@ -36,6 +40,23 @@ def prefill(model, ids: torch.Tensor, config: kvtopo.Config, chunk: int) -> int:
     with kvtopo.session(config) as s:
         kvtopo.generate(model, ids, 1, prefill_chunk_size=chunk, progress=False)
         return s.stats().total_bytes
+
+
+def peak_prefill(model, ids: torch.Tensor, config: kvtopo.Config, chunk: int) -> tuple[int, int]:
+    """One prefill of `ids` in a fresh session, its stats read after every chunk (untimed):
+    (the bytes held after it, the most held after any chunk)."""
+    with kvtopo.session(config) as s:
+        step, peak = s.step, [0]
+
+        @contextlib.contextmanager
+        def counted(*args, **kwargs):
+            with step(*args, **kwargs) as inside:
+                yield inside
+            peak[0] = max(peak[0], s.stats().total_bytes)
+
+        s.step = counted
+        kvtopo.generate(model, ids, 1, prefill_chunk_size=chunk, progress=False)
+        return s.stats().total_bytes, peak[0]
 
 
 def profile(model, ids: torch.Tensor, chunk: int, top: int = 25) -> str:
@@ -67,9 +88,9 @@ def main() -> None:
             ids = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(0))
             for chunk in args.chunks:
                 times = {mode: [] for mode in MODES}
-                kv_bytes = {}
+                kv_bytes, peak_bytes = {}, {}
                 for mode, make in MODES.items():  # warm-up: compiles this chunk shape, allocates
-                    kv_bytes[mode] = prefill(model, ids, make(), chunk)
+                    kv_bytes[mode], peak_bytes[mode] = peak_prefill(model, ids, make(), chunk)
                 for _ in range(args.repeats):
                     for mode, make in MODES.items():
                         start = time.perf_counter()
@@ -77,12 +98,15 @@ def main() -> None:
                         times[mode].append(time.perf_counter() - start)
                 best = {mode: min(t) for mode, t in times.items()}
                 row = {"prompt": prompt, "chunk": chunk, "lossless_s": best["lossless"], "config_s": best["config"],
-                       "ratio": best["config"] / best["lossless"], "times": times, "kv_bytes": kv_bytes,
-                       "load_1min": os.getloadavg()[0]}
+                       "no_hold_s": best["no_hold"], "ratio": best["config"] / best["lossless"],
+                       "no_hold_ratio": best["no_hold"] / best["lossless"], "times": times, "kv_bytes": kv_bytes,
+                       "peak_kv_bytes": peak_bytes, "load_1min": os.getloadavg()[0]}
                 rows.append(row)
                 print(f"prompt {prompt:6} chunk {chunk:5}: lossless {row['lossless_s']:7.3f}s  "
-                      f"Config() {row['config_s']:7.3f}s  ratio {row['ratio']:5.2f}  load {row['load_1min']:.2f}",
-                      flush=True)
+                      f"Config() {row['config_s']:7.3f}s ({row['ratio']:4.2f}x)  "
+                      f"no hold {row['no_hold_s']:7.3f}s ({row['no_hold_ratio']:4.2f}x)  peak KV MB "
+                      + " / ".join(f"{m} {b / 2**20:.1f}" for m, b in peak_bytes.items())
+                      + f"  load {row['load_1min']:.2f}", flush=True)
                 if args.profile:
                     profiles[f"{prompt}/{chunk}"] = profile(model, ids, chunk)
                     print(profiles[f"{prompt}/{chunk}"], flush=True)

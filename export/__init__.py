@@ -67,9 +67,11 @@ def _model(model_or_zoo_name) -> nn.Module:
 
 def _exported_config(config: Config | None) -> Config:
     """What the exported graphs do: they hold one set of Mid bases per layer, so the config
-    they record fits them once (`refit_after=None`), and their compressor ranks one page at a
-    time (`eviction_scope="page"`); refits and joint eviction are session features."""
-    return (config or Config()).replace(refit_after=None, eviction_scope="page")
+    they record fits them once (`refit_after=None`); their compressor ranks one page at a
+    time (`eviction_scope="page"`); their decode step reads Recent codes up to a fixed
+    capacity, so a chunked prompt's pages do not wait there for its end
+    (`prompt_hold_tokens=0`). Refits, joint eviction and waiting are session features."""
+    return (config or Config()).replace(refit_after=None, eviction_scope="page", prompt_hold_tokens=0)
 
 
 def export_onnx(model_or_zoo_name, out_dir, config: Config | None = None,

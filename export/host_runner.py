@@ -341,6 +341,11 @@ class HostRunner:
                 f"the exported compressor ranks one page at a time, but Config.eviction_scope="
                 f"{self.config.eviction_scope!r} ranks the pages of an append together: run with "
                 "eviction_scope='page'")
+        if encoding.evict and self.config.prompt_hold_tokens:
+            raise ValueError(
+                f"the exported decode step reads Recent codes up to a fixed capacity, but Config.prompt_hold_tokens="
+                f"{self.config.prompt_hold_tokens} keeps a chunked prompt's pages waiting there for its end: run "
+                "with prompt_hold_tokens=0")
         if providers is not None:
             runtime_options["providers"] = providers
         self.executor = open_executor(runtime, d, self.layout, threads, **runtime_options)

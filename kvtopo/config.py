@@ -82,8 +82,11 @@ class Config:
     `policy="palu"` projects without codes; its energies default to 0.9 when neither is set.
     `max_pages`: per-layer limit of the exact page pool (None: grow). A full pool raises.
     `prefill_chunk_size`: prompt tokens per forward in `kvtopo.generate` (every chunk budgeted at
-    the prompt's end; a page is ranked by the queries of the chunk that pushes it out of Recent, so
-    larger chunks rank with more of the prompt seen: README, Known limitations).
+    the prompt's end). `prompt_hold_tokens`: while more of a chunked prompt comes, the pages that
+    leave Recent wait there in Recent codes, up to this many tokens, and enter Mid together when
+    the prompt ends (or the wait would grow past it), ranked as one chunk ranks them; 0 moves
+    each as its chunk pushes it out of Recent, ranked by the chunk just after it (README, Known
+    limitations). Waiting costs memory while the prompt is read, not after.
     """
 
     policy: str = "topo"
@@ -104,6 +107,7 @@ class Config:
     eviction_scope: str = "append"
     max_pages: int | None = None
     prefill_chunk_size: int = 512
+    prompt_hold_tokens: int = 4096
 
     def __post_init__(self):
         from kvtopo.runtime.policies import POLICIES
@@ -134,6 +138,7 @@ class Config:
                  f"one of {EVICTION_SCOPES}")
         _require(self.max_pages is None or _int(self.max_pages, 1), "max_pages", self.max_pages, "None or an int >= 1")
         _require(_int(self.prefill_chunk_size, 1), "prefill_chunk_size", self.prefill_chunk_size, "an int >= 1")
+        _require(_int(self.prompt_hold_tokens, 0), "prompt_hold_tokens", self.prompt_hold_tokens, "an int >= 0 (tokens)")
         if self.policy == "full":
             for name in ("target_ratio", "layer_budget_bytes"):
                 _require(getattr(self, name) is None, name, getattr(self, name),

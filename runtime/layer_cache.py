@@ -504,13 +504,14 @@ class LayerCache(Lifecycle):
         (it is ranked alone, as under "page")."""
         length = self.budget_length(entry)
         budget = self.budget(length)
-        if not self.mid_encoding.evict or budget is None or self.mid_encoding.max_tokens == 0:
+        if not self.mid_encoding.evict or budget is None or self.mid_encoding.max_tokens == 0 or entry.holding:
             return {}
         P = self.config.page_size
         count = -(-entry.final_length // P)
-        # Pages are settled as they open, so the Mid pages now are the plan's for len(pages):
-        # a decode step (at most one page moving) stops here without walking every page.
-        if self.plan.mid_pages(count) - self.plan.mid_pages(len(entry.pages)) < 2:
+        # Pages are settled as they open, so unless some wait in Recent (`Lifecycle.holds`) the Mid
+        # pages now are the plan's for len(pages): a decode step (at most one page moving) stops
+        # here without walking every page.
+        if entry.held_from is None and self.plan.mid_pages(count) - self.plan.mid_pages(len(entry.pages)) < 2:
             return {}
         group = [i for i in range(count) if (i >= len(entry.pages) or entry.pages[i].phase is not Phase.MID)
                  and self.plan.phase(i, count) is Phase.MID]

@@ -108,6 +108,8 @@ class SequenceState:
     length: int = 0
     final_length: int = 0  # the length this sequence reaches when the current append ends
     prompt_end: int = 0  # the length its prompt reaches, when the caller feeds it in chunks and says so (0: not said)
+    holding: bool = False  # the current append keeps pages that leave Recent waiting there (`Lifecycle.holds`)
+    held_from: int | None = None  # the first page waiting in Recent past its time, while any does
     mid_tokens: int = 0  # tokens of the pages that entered Mid, before eviction
     mid: object = None  # the executor's Mid epoch that pages enter now (None before the first)
     next_refit: int | None = None  # the length at which the next Mid epoch starts
@@ -190,7 +192,8 @@ class Lifecycle:
         """Before `tokens` new tokens (`chunk`, the executor's) are written: start the Mid epoch
         they need, the first when they bring a page to Mid, a new one when a refit is due."""
         seq.final_length = seq.length + tokens
-        if self.starts_epoch(seq, tokens, head_dim):
+        seq.holding = self.holds(seq, tokens)
+        if not seq.holding and self.starts_epoch(seq, tokens, head_dim):
             self._new_mid_epoch(seq, chunk)
             seq.next_refit = self.next_refit(seq.length + tokens)
 
@@ -219,16 +222,26 @@ class Lifecycle:
                 page.tokens += take
                 seq.length += take
                 written += take
+            if seq.held_from is not None and not seq.holding:  # the prompt's end came without a new page
+                self.settle(seq, seq.held_from)
         finally:
             seq.chunk_queries = None
 
     def settle(self, seq: SequenceState, start: int) -> None:
-        """Give pages `start..` the phase the plan says, re-encoding those that move."""
+        """Give pages `start..` (and any waiting in Recent) the phase the plan says, re-encoding
+        those that move; while the append holds (`holds`), a page due in Mid waits in Recent."""
         count = len(seq.pages)
+        if seq.held_from is not None:
+            start = min(start, seq.held_from)
         for index in range(start, count):
-            target = self.plan.phase(index, count)
-            if seq.pages[index].phase != target and not seq.pages[index].dropped:
+            page, target = seq.pages[index], self.plan.phase(index, count)
+            if target is Phase.MID and seq.holding and page.phase is not Phase.MID:
+                target = Phase.RECENT
+                seq.held_from = index if seq.held_from is None else seq.held_from
+            if page.phase != target and not page.dropped:
                 self._move(seq, index, target)
+        if not seq.holding:
+            seq.held_from = None
         self._settled(seq)
 
     def _move(self, seq: SequenceState, index: int, target: Phase) -> None:
@@ -249,6 +262,22 @@ class Lifecycle:
         """Whether a page in `phase` keeps its exact pool slot (moving there only relabels it)."""
         return phase in (Phase.INITIAL, Phase.TERMINAL) or (phase is Phase.RECENT and self.recent_bits is None) \
             or (phase is Phase.MID and self.mid_encoding.identity)
+
+    def holds(self, seq: SequenceState, tokens: int) -> bool:
+        """Whether appending `tokens` keeps the pages that leave Recent waiting there (in Recent
+        codes) instead of moving them to Mid: more of the prompt comes after this chunk
+        (`prompt_end`), and the tokens waiting stay within `Config.prompt_hold_tokens`. When the
+        prompt ends (or the wait would grow past that), the waiting pages enter Mid together,
+        ranked by the chunk then appended, as the whole prompt in one chunk ranks its pages;
+        moved as each chunk pushes them out of Recent, a page is judged by the queries of the
+        chunk just after it instead (docs/measurements.md, "Prompts in 512-token chunks"). Only
+        where Recent is coded (waiting holds no exact pool slot) and the policy evicts."""
+        end = seq.length + tokens
+        if seq.prompt_end <= end or self.recent_bits is None or not self.mid_encoding.evict:
+            return False
+        P = self.config.page_size
+        waiting = self.plan.mid_pages(-(-end // P)) * P - seq.mid_tokens
+        return waiting <= self.config.prompt_hold_tokens
 
     def reaches_mid(self, length: int) -> bool:
         return self.plan.mid_pages(-(-length // self.config.page_size)) > 0

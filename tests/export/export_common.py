@@ -36,7 +36,7 @@ def assert_host_runner_matches_session(session_references, name: str, export_dir
     through the compiled model in a PyTorch session (the `session_references` fixture's run)
     agree: same tokens, logits within LOGIT_TOLERANCE, the same KV bytes held (the session's free pool slots
     aside). Returns the runners by runtime, for checks of what they hold."""
-    exported = config.replace(refit_after=None, eviction_scope="page")  # what the graphs do
+    exported = config.replace(refit_after=None, eviction_scope="page", prompt_hold_tokens=0)  # what the graphs do
     ids, reference = session_references(name, exported, prompt, new)
     runners = {}
     for a in export_module("check").compare_with_session(None, export_dir, runtimes, ids, new, reference=reference):

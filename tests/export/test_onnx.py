@@ -60,6 +60,10 @@ def test_host_runner_matches_session(name, onnx_export, session_references):
     assert runner.config.eviction_scope == "page"
     with pytest.raises(ValueError, match="eviction_scope"):
         HostRunner(out, config=CONFIG.replace(refit_after=None, eviction_scope="append"))
+    # Its decode step's Recent capacity is fixed: pages waiting there for a prompt's end likewise.
+    assert runner.config.prompt_hold_tokens == 0
+    with pytest.raises(ValueError, match="prompt_hold_tokens"):
+        HostRunner(out, config=CONFIG.replace(refit_after=None, eviction_scope="page", prompt_hold_tokens=256))
 
 
 def assert_every_phase_and_partial_eviction(runner):

@@ -32,7 +32,7 @@ def smollm2_reference():
     torch.set_num_threads(2)
     model, tokenizer = load_model(PRETRAINED)
     ids = prompt_ids(model, tokenizer, PROMPT)
-    reference = session_reference(model, ids, NEW, CONFIG.replace(refit_after=None, eviction_scope="page"))
+    reference = session_reference(model, ids, NEW, CONFIG.replace(refit_after=None, eviction_scope="page", prompt_hold_tokens=0))
     return model, ids, reference
 
 

@@ -142,7 +142,8 @@ def test_unprojected_npu_profile_matches_session(onnx_export, session_references
 
     prompt, new = 64, 16
     config = CONFIGS["no-budget"]
-    session_config = config.replace(refit_after=None, eviction_scope="page", prefill_chunk_size=1)
+    session_config = config.replace(refit_after=None, eviction_scope="page", prompt_hold_tokens=0,
+                                    prefill_chunk_size=1)
     out, _ = onnx_export("llama", config, prompt + new, "npu")
     ids, reference = session_references("llama", session_config, prompt, new)
     for a in compare_with_session(None, out, ("onnxruntime", "openvino"), ids, new, reference=reference):

@@ -274,8 +274,9 @@ def test_pages_one_chunk_pushes_into_mid_share_the_budget_by_tokens():
     assert not stats.budget_missed
 
 
-def _ratio_in_chunks(config, chunks, prompt_end=None, n=1024, dim=32):
-    """The achieved ratio after feeding the same K/V in `chunks`, each step told `prompt_end`."""
+def _feed_in_chunks(config, chunks, prompt_end=None, n=1024, dim=32, watch=None):
+    """Feed the same K/V in `chunks`, each step told `prompt_end`, calling `watch(entry)` on the
+    layer's sequence after each chunk. Returns (achieved ratio, each page's kept tokens)."""
     k, v = _structured_kv(n, heads=2, dim=dim, dtype=torch.float16)
     q = torch.randn(1, 4, n, dim, dtype=torch.float16, generator=torch.Generator().manual_seed(1))
     with kvtopo.session(config) as s:
@@ -285,20 +286,81 @@ def _ratio_in_chunks(config, chunks, prompt_end=None, n=1024, dim=32):
                 s.attend("l", q[:, :, start:start + size], k[None, :, start:start + size],
                          v[None, :, start:start + size], None, dim ** -0.5)
             start += size
-        return s.stats().ratio_vs_fp16
+            if watch is not None:
+                watch(s.layers["l"].stored_state(0))
+        return s.stats().ratio_vs_fp16, [page.kept for page in s.layers["l"].stored_state(0).pages]
+
+
+CHUNKED = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=64, target_ratio=8.0, observation_window=4)
 
 
 def test_a_prompt_in_chunks_told_its_end_holds_the_bytes_of_one_chunk():
     """Judged at each chunk's end, the first chunks' exact and Recent pages exceed their budget,
     their Mid pages keep their floor, and the prompt ends holding more than one chunk would; told
     the prompt's end (`Session.step(prompt_end=...)`, what kvtopo.generate says), every chunk is
-    budgeted at it and the chunks hold what one chunk holds."""
-    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=64, target_ratio=8.0, observation_window=4)
-    whole = _ratio_in_chunks(config, [1024])
-    alone = _ratio_in_chunks(config, [128] * 8)
-    told = _ratio_in_chunks(config, [128] * 8, prompt_end=[1024])
+    budgeted at it and the chunks hold what one chunk holds, whether its pages wait for the
+    prompt's end or not (`prompt_hold_tokens`)."""
+    whole, _ = _feed_in_chunks(CHUNKED, [1024])
+    alone, _ = _feed_in_chunks(CHUNKED.replace(prompt_hold_tokens=0), [128] * 8)
     assert alone < 0.9 * whole
-    assert told == pytest.approx(whole, rel=0.02)
+    for hold in (0, 4096):
+        told, _ = _feed_in_chunks(CHUNKED.replace(prompt_hold_tokens=hold), [128] * 8, prompt_end=[1024])
+        assert told == pytest.approx(whole, rel=0.02)
+
+
+def test_a_chunked_prompts_pages_wait_in_recent_and_are_ranked_as_one_chunk_ranks_them(monkeypatch):
+    """While more of the prompt comes, no page enters Mid: those leaving Recent wait there in
+    Recent codes (no exact slot), and when the prompt ends they are ranked together by its last
+    chunk, keeping what the whole prompt in one chunk keeps. The successor shares are off here:
+    they need each token's predecessor query, which a waiting page's chunk has dropped (those
+    tokens get the mean share instead)."""
+    import kvtopo.runtime.policies.topo as topo
+
+    monkeypatch.setattr(topo, "SUCCESSOR_WEIGHT", 0.0)
+    waiting = []
+
+    def watch(entry):
+        phases = [page.phase for page in entry.pages]
+        waiting.append((phases.count(Phase.MID), sum(page.slot is not None for page in entry.pages)))
+
+    whole_ratio, whole_kept = _feed_in_chunks(CHUNKED, [1024])
+    ratio, kept = _feed_in_chunks(CHUNKED, [128] * 8, prompt_end=[1024], watch=watch)
+    assert kept == whole_kept and ratio == pytest.approx(whole_ratio)
+    assert [mid for mid, _ in waiting[:-1]] == [0] * 7 and waiting[-1][0] > 0
+    assert all(slots <= 2 for _, slots in waiting)  # the sink page and the Terminal one
+    # Told nothing, the chunks move pages as they push them out of Recent, each page ranked by
+    # the chunk just after it: other tokens survive.
+    assert _feed_in_chunks(CHUNKED.replace(prompt_hold_tokens=0), [128] * 8, prompt_end=[1024])[1] != whole_kept
+
+
+def test_pages_wait_for_a_prompts_end_at_most_prompt_hold_tokens():
+    """The wait is bounded: past `prompt_hold_tokens` waiting tokens the pages enter Mid, ranked by
+    the chunk then appended, so a long prompt never holds more than that in Recent codes."""
+    config = CHUNKED.replace(prompt_hold_tokens=256)
+    plan, held = PhasePlan(config.page_size, config.sink_tokens, config.recent_tokens), []
+
+    def watch(entry):
+        count = len(entry.pages)
+        held.append(sum(page.tokens for i, page in enumerate(entry.pages)
+                        if page.phase is Phase.RECENT and plan.phase(i, count) is Phase.MID))
+
+    _feed_in_chunks(config, [128] * 8, prompt_end=[1024], watch=watch)
+    assert 0 < max(held) <= 256 and held[-1] == 0
+
+
+def test_the_prompts_last_chunk_moves_the_waiting_pages_even_when_it_opens_no_page():
+    """A last chunk that only fills the Terminal page opens no page (the point where pages settle):
+    the waiting pages still enter Mid at its end, so none waits past the prompt."""
+    plan = PhasePlan(CHUNKED.page_size, CHUNKED.sink_tokens, CHUNKED.recent_tokens)
+    phases = []
+    _feed_in_chunks(CHUNKED, [1020, 4], prompt_end=[1024], watch=lambda e: phases.append([p.phase for p in e.pages]))
+    assert phases[0].count(Phase.MID) == 0
+    assert phases[-1] == [plan.phase(i, 64) for i in range(64)]
+
+
+def test_prompt_hold_tokens_must_be_a_count():
+    with pytest.raises(ValueError, match="prompt_hold_tokens"):
+        kvtopo.Config(prompt_hold_tokens=-1)
 
 
 def test_generate_tells_every_prefill_chunk_its_rows_prompt_end(monkeypatch):
