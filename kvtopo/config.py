@@ -86,7 +86,8 @@ class Config:
     leave Recent wait there in Recent codes, up to this many tokens, and enter Mid together when
     the prompt ends (or the wait would grow past it), ranked as one chunk ranks them; 0 moves
     each as its chunk pushes it out of Recent, ranked by the chunk just after it (README, Known
-    limitations). Waiting costs memory while the prompt is read, not after.
+    limitations). Waiting costs memory while the prompt is read, not after; it is off under a
+    `layer_budget_bytes` cap, for policies that do not evict and where Recent is exact.
     """
 
     policy: str = "topo"

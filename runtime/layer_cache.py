@@ -130,6 +130,9 @@ class SequenceKV(SequenceState):
     dropped: int = 0  # tokens of the leading pages released because they left the sliding window
     evicted: int = 0  # tokens of the pages in Mid that were not kept
     moves: Moves = field(default_factory=Moves)  # pending until the append ends
+    # (positions [m], credit [Hkv, m]) that the chunks of a prompt whose pages wait gave its tokens
+    # (`Policy.held_credit`), for the ranking at the prompt's end
+    held_credit: list = field(default_factory=list)
     page_bytes: PageBytes = field(default_factory=PageBytes)
 
     @property
@@ -268,6 +271,8 @@ class LayerCache(Lifecycle):
         finally:
             self._flush(entry)
             entry.planned = {}
+            if not entry.holding:  # the tokens it was kept for are in Mid, or ranked when in no joint plan
+                entry.held_credit = []
         if self.window is not None:
             self._drop_outside_window(entry)
         self.reached(entry.length)
@@ -504,7 +509,10 @@ class LayerCache(Lifecycle):
         (it is ranked alone, as under "page")."""
         length = self.budget_length(entry)
         budget = self.budget(length)
-        if not self.mid_encoding.evict or budget is None or self.mid_encoding.max_tokens == 0 or entry.holding:
+        if not self.mid_encoding.evict or budget is None or self.mid_encoding.max_tokens == 0:
+            return {}
+        if entry.holding:
+            self._keep_held_credit(entry, key, value)
             return {}
         P = self.config.page_size
         count = -(-entry.final_length // P)
@@ -522,7 +530,8 @@ class LayerCache(Lifecycle):
         chunk = self.chunk_queries_after(entry, (group[-1] + 1) * P, keys.shape[0])
         positions = (torch.tensor(group)[:, None] * P + torch.arange(P)).flatten()
         scores = self.policy.score(ScoreInputs(keys, values, entry.observation, self.scale, mass, chunk,
-                                               entry.chunk_queries, self.predecessor_rows(entry, positions))).float()
+                                               entry.chunk_queries, self.predecessor_rows(entry, positions),
+                                               self._held_credit_at(entry, positions))).float()
         order = scores.view(scores.shape[0], len(group), P).sort(dim=-1, descending=True, stable=True)
         # Value of a page's k-th survivor: the best of the heads' k-th best scores (falls with k,
         # so taking the best values overall takes a prefix of every page's ranking). The max,
@@ -555,6 +564,38 @@ class LayerCache(Lifecycle):
         tokens = torch.where(marked, ranks, P).sort(dim=-1).values
         return {i: tokens[:, g, :n] for (g, i), n in zip(enumerate(group), keep.tolist())}
 
+    def _keep_held_credit(self, entry: SequenceKV, key: torch.Tensor, value: torch.Tensor) -> None:
+        """While the append holds (`Lifecycle.holds`): the credit only its queries can give its
+        tokens (`Policy.held_credit`), kept for the ranking at the prompt's end. Tokens of Initial
+        pages (sinks, protected spans) are never ranked, so they take no part."""
+        P, start = self.config.page_size, entry.length
+        count = -(-entry.final_length // P)
+        ranked = torch.tensor([self.plan.phase(i, count) is not Phase.INITIAL for i in range(start // P, count)])
+        positions = torch.arange(start, entry.final_length)
+        positions = positions[ranked[positions // P - start // P]]
+        if positions.numel() == 0:
+            return
+        local = positions - start
+        values = key[..., : self.shared_value_dim] if self.shared_value_dim else value
+        credit = self.policy.held_credit(ScoreInputs(
+            key[:, local], values[:, local], entry.observation, self.scale, predecessor_queries=entry.chunk_queries,
+            predecessor_rows=self.predecessor_rows(entry, positions)))
+        if credit is not None:
+            entry.held_credit.append((positions, credit))
+
+    @staticmethod
+    def _held_credit_at(entry: SequenceKV, positions: torch.Tensor) -> torch.Tensor | None:
+        """[Hkv, n]: the credit kept for `positions` (ascending) while the prompt's pages waited
+        (`_keep_held_credit`), NaN where none; None when none was kept."""
+        out = None
+        for where, credit in entry.held_credit:
+            if out is None:
+                out = credit.new_full((credit.shape[0], positions.numel()), float("nan"))
+            index = torch.searchsorted(positions, where).clamp(max=positions.numel() - 1)
+            found = positions[index] == where
+            out[:, index[found]] = credit[:, found]
+        return out
+
     def _group_tokens(self, entry: SequenceKV, group: list[int], key: torch.Tensor, value: torch.Tensor):
         """Keys, values (the keys' leading dims when shared) and accumulated attention mass (None
         unless every page has it) of the group's pages, in order: each page's tokens held so far
@@ -581,11 +622,12 @@ class LayerCache(Lifecycle):
     def _bytes_beside_group(self, entry: SequenceKV, group: list[int], count: int) -> int:
         """What the sequence-layer will hold at the append's end besides the group's Mid rows:
         Mid epochs so far (with their bases), the exact and Recent pages of the end state,
-        metadata."""
+        metadata (without the credit a waiting prompt kept: dropped as the append ends)."""
         phases = self.plan.counts(count)  # the group's pages are all Mid at the end
         recent, exact = phases[Phase.RECENT], phases[Phase.INITIAL] + phases[Phase.TERMINAL]
         slots = sum(n for phase, n in phases.items() if self.stays_exact(phase))  # the block table at the end
-        metadata = self._metadata_nbytes(entry) + (slots - entry.block_table.numel()) * entry.block_table.element_size()
+        metadata = self._metadata_nbytes(entry) - self._held_credit_nbytes(entry) \
+            + (slots - entry.block_table.numel()) * entry.block_table.element_size()
         held = self.mid_nbytes(entry) + metadata
         return held + exact * self.pool.page_nbytes + (recent * self._recent_page_nbytes if recent else 0)
 
@@ -659,7 +701,11 @@ class LayerCache(Lifecycle):
 
     def _metadata_nbytes(self, entry: SequenceKV) -> int:
         observation = entry.observation.nbytes if entry.observation is not None else 0
-        return entry.block_table.nbytes + observation + entry.page_bytes.mass
+        return entry.block_table.nbytes + observation + entry.page_bytes.mass + self._held_credit_nbytes(entry)
+
+    @staticmethod
+    def _held_credit_nbytes(entry: SequenceKV) -> int:
+        return sum(where.nbytes + credit.nbytes for where, credit in entry.held_credit)
 
     def over_budget(self, seq: int) -> bool:
         """Whether `seq` holds more than its budget now (possible when the exact pages and

@@ -271,9 +271,11 @@ class Lifecycle:
         ranked by the chunk then appended, as the whole prompt in one chunk ranks its pages;
         moved as each chunk pushes them out of Recent, a page is judged by the queries of the
         chunk just after it instead (docs/measurements.md, "Prompts in 512-token chunks"). Only
-        where Recent is coded (waiting holds no exact pool slot) and the policy evicts."""
+        where the policy evicts, Recent is coded (waiting holds no exact pool slot) and no byte
+        cap (`layer_budget_bytes`) forbids holding more while the prompt is read than after."""
         end = seq.length + tokens
-        if seq.prompt_end <= end or self.recent_bits is None or not self.mid_encoding.evict:
+        if (seq.prompt_end <= end or self.recent_bits is None or not self.mid_encoding.evict
+                or self.config.layer_budget_bytes is not None):
             return False
         P = self.config.page_size
         waiting = self.plan.mid_pages(-(-end // P)) * P - seq.mid_tokens

@@ -49,7 +49,9 @@ class ScoreInputs:
     chunk's own last queries [Hq, C, d], every one after every ranked token (None outside a
     prefill chunk's joint plan); predecessor_queries: the appending chunk's queries [Hq, T, d]
     and predecessor_rows [n] (long): the row of the query of the token before each ranked token,
-    -1 where the chunk does not hold it (both None outside a prefill chunk's joint plan).
+    -1 where the chunk does not hold it (both None outside a prefill chunk's joint plan);
+    held_credit [Hkv, n]: what `Policy.held_credit` gave each token while an earlier chunk of its
+    prompt was appended, NaN where nothing (None when no token has any).
     """
 
     keys: torch.Tensor
@@ -60,6 +62,7 @@ class ScoreInputs:
     chunk_queries: torch.Tensor | None = None
     predecessor_queries: torch.Tensor | None = None
     predecessor_rows: torch.Tensor | None = None
+    held_credit: torch.Tensor | None = None
 
 
 class Policy:
@@ -80,6 +83,13 @@ class Policy:
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         """Importance [Hkv, n] of a page's tokens; the highest are kept. Only called when evicting."""
         raise NotImplementedError(f"policy {self.name!r} does not evict")
+
+    def held_credit(self, inputs: ScoreInputs) -> torch.Tensor | None:
+        """[Hkv, n] credit of the tokens `inputs` holds that only the appending chunk's queries
+        can give (NaN for tokens it gives none), for tokens ranked after the chunk is gone: a
+        chunked prompt's pages wait for its end (`Lifecycle.holds`) and are ranked then, and it
+        comes back to `score` as `ScoreInputs.held_credit`. Default: none."""
+        return None
 
     def across_heads(self, scores: torch.Tensor) -> torch.Tensor:
         """Scores [Hkv, ...] of the tokens ranked together, made comparable between kv-heads:

@@ -85,26 +85,38 @@ def low_norm_prior(keys: torch.Tensor) -> torch.Tensor:
     return (top - norms) / (top - norms.amin(-1, keepdim=True)).clamp_min(torch.finfo(norms.dtype).tiny)
 
 
-def successor_credit(queries: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, scale,
-                     margin: float) -> torch.Tensor:
+def predecessor_shares(queries: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, scale, margin: float) -> torch.Tensor:
     """[Hkv, n]: `successor_shares` of the tokens whose predecessor's query the chunk holds
-    (`queries[:, rows[t]]`; `rows[t]` < 0 where it does not: the predecessor was stored with an
-    earlier chunk, its query gone); those others get the held tokens' mean, so that a joint
-    ranking across chunks neither favours nor penalises them."""
+    (`queries[:, rows[t]]`), among those tokens; NaN where `rows[t]` < 0 (the predecessor was
+    stored with an earlier chunk, its query gone)."""
     held = (rows >= 0).nonzero()[:, 0]
-    credit = successor_shares(queries, rows[held], keys[:, held], scale, margin)
-    out = credit.mean(-1, keepdim=True).expand(keys.shape[0], keys.shape[1]).clone()
-    out[:, held] = credit
+    out = keys.new_full(keys.shape[:2], float("nan"), dtype=torch.float32)
+    out[:, held] = successor_shares(queries, rows[held], keys[:, held], scale, margin)
     return out
+
+
+def successor_credit(queries: torch.Tensor | None, rows: torch.Tensor | None, keys: torch.Tensor, scale,
+                     margin: float, held: torch.Tensor | None = None) -> torch.Tensor:
+    """[Hkv, n]: `predecessor_shares` where the chunk holds the predecessor's query, else what an
+    earlier chunk of the prompt gave the token (`held`, NaN where nothing); the tokens with
+    neither get the others' mean, so that a joint ranking across chunks neither favours nor
+    penalises them."""
+    credit = keys.new_full(keys.shape[:2], float("nan"), dtype=torch.float32)
+    if queries is not None:
+        credit = predecessor_shares(queries, rows, keys, scale, margin)
+    if held is not None:
+        credit = torch.where(credit.isnan(), held, credit)
+    known = ~credit[0].isnan()
+    return torch.where(known, credit, credit[:, known].mean(-1, keepdim=True))
 
 
 def topo_scores(queries: torch.Tensor, keys: torch.Tensor, scale, margin: float, num_queries=None,
                 chunk_queries: torch.Tensor | None = None, predecessor_queries: torch.Tensor | None = None,
-                predecessor_rows: torch.Tensor | None = None) -> torch.Tensor:
+                predecessor_rows: torch.Tensor | None = None, held_credit: torch.Tensor | None = None) -> torch.Tensor:
     """The topo policy's token scores [Hkv, n]: the window's exp-free credit, a prefill chunk's
     own queries' credit (`chunk_queries`, when given), the low-norm prior and the successor shares
     (`successor_credit`, when a prefill chunk's queries and the rows of the tokens' predecessors
-    are given), each as the head's shares, carried forward; the queries' strongest tokens carry
+    are given, or shares an earlier chunk left, `held_credit`), each as the head's shares, carried forward; the queries' strongest tokens carry
     theirs further (`anchor_reach`), scaled to the whole score.
     Each part as shares, so the window (a question's few queries) keeps its say however many
     document queries the chunk adds. The store calls it on live tensors;
@@ -114,9 +126,10 @@ def topo_scores(queries: torch.Tensor, keys: torch.Tensor, scale, margin: float,
     if chunk_queries is not None:
         credit = credit + shares(expfree_scores(chunk_queries, keys, scale, margin))
     prior = KEY_NORM_WEIGHT * shares(low_norm_prior(keys))
-    if predecessor_queries is not None and bool((predecessor_rows >= 0).any()):
-        prior = prior + SUCCESSOR_WEIGHT * shares(
-            successor_credit(predecessor_queries, predecessor_rows, keys, scale, margin))
+    live = predecessor_queries is not None and bool((predecessor_rows >= 0).any())
+    if live or (held_credit is not None and not bool(held_credit.isnan().all())):
+        prior = prior + SUCCESSOR_WEIGHT * shares(successor_credit(
+            predecessor_queries if live else None, predecessor_rows, keys, scale, margin, held_credit))
     score = credit + prior
     # Anchors carried in the whole score's units (its total over the credit's): the prior's parts
     # add to every token, and compared in the credit's units alone a needle's reach lost to them.
@@ -153,4 +166,12 @@ class Topo(Policy):
             return inputs.keys.new_zeros(inputs.keys.shape[:2])
         return topo_scores(inputs.queries, inputs.keys, inputs.scale, self.config.score_margin,
                            chunk_queries=inputs.chunk_queries, predecessor_queries=inputs.predecessor_queries,
-                           predecessor_rows=inputs.predecessor_rows)
+                           predecessor_rows=inputs.predecessor_rows, held_credit=inputs.held_credit)
+
+    def held_credit(self, inputs: ScoreInputs) -> torch.Tensor | None:
+        """The successor shares, which need each token's predecessor's query: a waiting page's
+        chunk is gone when the prompt's end ranks it."""
+        if inputs.predecessor_queries is None:
+            return None
+        return predecessor_shares(inputs.predecessor_queries, inputs.predecessor_rows, inputs.keys, inputs.scale,
+                                  self.config.score_margin)

@@ -333,6 +333,31 @@ def test_a_chunked_prompts_pages_wait_in_recent_and_are_ranked_as_one_chunk_rank
     assert _feed_in_chunks(CHUNKED.replace(prompt_hold_tokens=0), [128] * 8, prompt_end=[1024])[1] != whole_kept
 
 
+def test_a_waiting_prompts_successor_shares_are_kept_for_its_end(monkeypatch):
+    """The successor shares need each token's predecessor's query, gone when the prompt's end ranks
+    a waiting page: each chunk's are kept (`Policy.held_credit`), among that chunk's tokens, and
+    the ranking at the end takes them. A chunk's first token (its predecessor in the chunk before)
+    has none; the last chunk's own tokens are scored live."""
+    from kvtopo.kernels.scoring import successor_shares
+    from kvtopo.runtime.policies.topo import Topo
+
+    seen, score = [], Topo.score
+    monkeypatch.setattr(Topo, "score", lambda self, inputs: seen.append(inputs) or score(self, inputs))
+    _feed_in_chunks(CHUNKED, [128] * 8, prompt_end=[1024])
+    held = seen[-1].held_credit  # the last chunk's joint plan: pages 1..58, tokens 16..943
+    assert held is not None and held.shape == (2, 928)
+    k, _ = _structured_kv(1024, heads=2, dim=32, dtype=torch.float16)
+    q = torch.randn(1, 4, 1024, 32, dtype=torch.float16, generator=torch.Generator().manual_seed(1))[0]
+    for chunk in range(7):
+        first = max(16, 128 * chunk + 1)  # page 0 is Initial: never ranked
+        end = 128 * (chunk + 1)
+        own = successor_shares(q[:, first - 1:end - 1], torch.arange(end - first), k[:, first:end], 32 ** -0.5, 4.0)
+        torch.testing.assert_close(held[:, first - 16:end - 16], own)
+        if chunk:
+            assert held[:, 128 * chunk - 16].isnan().all()
+    assert held[:, 896 - 16:].isnan().all()
+
+
 def test_pages_wait_for_a_prompts_end_at_most_prompt_hold_tokens():
     """The wait is bounded: past `prompt_hold_tokens` waiting tokens the pages enter Mid, ranked by
     the chunk then appended, so a long prompt never holds more than that in Recent codes."""
@@ -356,6 +381,17 @@ def test_the_prompts_last_chunk_moves_the_waiting_pages_even_when_it_opens_no_pa
     _feed_in_chunks(CHUNKED, [1020, 4], prompt_end=[1024], watch=lambda e: phases.append([p.phase for p in e.pages]))
     assert phases[0].count(Phase.MID) == 0
     assert phases[-1] == [plan.phase(i, 64) for i in range(64)]
+
+
+@pytest.mark.parametrize("fields", [dict(layer_budget_bytes=40_000), dict(recent_bits=None), dict(policy="kivi")])
+def test_pages_do_not_wait_under_a_byte_cap_with_exact_recent_or_without_eviction(fields):
+    """Waiting holds more while the prompt is read than after: not under a per-layer byte cap;
+    not where Recent is exact (waiting would hold pool slots); not where nothing is evicted
+    (there is no ranking to wait for)."""
+    mid = []
+    _feed_in_chunks(CHUNKED.replace(**fields), [128] * 8, prompt_end=[1024],
+                    watch=lambda e: mid.append(sum(p.phase is Phase.MID for p in e.pages)))
+    assert mid[2] > 0
 
 
 def test_prompt_hold_tokens_must_be_a_count():
