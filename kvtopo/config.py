@@ -139,7 +139,8 @@ class Config:
                  f"one of {EVICTION_SCOPES}")
         _require(self.max_pages is None or _int(self.max_pages, 1), "max_pages", self.max_pages, "None or an int >= 1")
         _require(_int(self.prefill_chunk_size, 1), "prefill_chunk_size", self.prefill_chunk_size, "an int >= 1")
-        _require(_int(self.prompt_hold_tokens, 0), "prompt_hold_tokens", self.prompt_hold_tokens, "an int >= 0 (tokens)")
+        _require(_int(self.prompt_hold_tokens, 0), "prompt_hold_tokens", self.prompt_hold_tokens,
+                 "an int >= 0 (tokens)")
         if self.policy == "full":
             for name in ("target_ratio", "layer_budget_bytes"):
                 _require(getattr(self, name) is None, name, getattr(self, name),

@@ -266,7 +266,7 @@ class Lifecycle:
     def holds(self, seq: SequenceState, tokens: int) -> bool:
         """Whether appending `tokens` keeps the pages that leave Recent waiting there (in Recent
         codes) instead of moving them to Mid: more of the prompt comes after this chunk
-        (`prompt_end`), and the tokens waiting stay within `Config.prompt_hold_tokens`. When the
+        (`prompt_end`), and the tokens waiting (some) stay within `Config.prompt_hold_tokens`. When the
         prompt ends (or the wait would grow past that), the waiting pages enter Mid together,
         ranked by the chunk then appended, as the whole prompt in one chunk ranks its pages;
         moved as each chunk pushes them out of Recent, a page is judged by the queries of the
@@ -279,7 +279,7 @@ class Lifecycle:
             return False
         P = self.config.page_size
         waiting = self.plan.mid_pages(-(-end // P)) * P - seq.mid_tokens
-        return waiting <= self.config.prompt_hold_tokens
+        return 0 < waiting <= self.config.prompt_hold_tokens
 
     def reaches_mid(self, length: int) -> bool:
         return self.plan.mid_pages(-(-length // self.config.page_size)) > 0

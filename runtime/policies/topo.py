@@ -85,7 +85,8 @@ def low_norm_prior(keys: torch.Tensor) -> torch.Tensor:
     return (top - norms) / (top - norms.amin(-1, keepdim=True)).clamp_min(torch.finfo(norms.dtype).tiny)
 
 
-def predecessor_shares(queries: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, scale, margin: float) -> torch.Tensor:
+def predecessor_shares(queries: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, scale,
+                       margin: float) -> torch.Tensor:
     """[Hkv, n]: `successor_shares` of the tokens whose predecessor's query the chunk holds
     (`queries[:, rows[t]]`), among those tokens; NaN where `rows[t]` < 0 (the predecessor was
     stored with an earlier chunk, its query gone)."""
@@ -116,8 +117,9 @@ def topo_scores(queries: torch.Tensor, keys: torch.Tensor, scale, margin: float,
     """The topo policy's token scores [Hkv, n]: the window's exp-free credit, a prefill chunk's
     own queries' credit (`chunk_queries`, when given), the low-norm prior and the successor shares
     (`successor_credit`, when a prefill chunk's queries and the rows of the tokens' predecessors
-    are given, or shares an earlier chunk left, `held_credit`), each as the head's shares, carried forward; the queries' strongest tokens carry
-    theirs further (`anchor_reach`), scaled to the whole score.
+    are given, or an earlier chunk's, `held_credit`), each as the head's shares, carried
+    forward; the queries' strongest tokens carry theirs further (`anchor_reach`), scaled to the
+    whole score.
     Each part as shares, so the window (a question's few queries) keeps its say however many
     document queries the chunk adds. The store calls it on live tensors;
     export/compressor.py traces it into the exported page compressor (with `num_queries` masking
