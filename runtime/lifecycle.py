@@ -231,7 +231,7 @@ class Lifecycle:
         """Give pages `start..` (and any waiting in Recent) the phase the plan says, re-encoding
         those that move; while the append holds (`holds`), a page due in Mid waits in Recent."""
         count = len(seq.pages)
-        if seq.held_from is not None:
+        if seq.held_from is not None and not seq.holding:  # while it holds, the waiting pages stay
             start = min(start, seq.held_from)
         for index in range(start, count):
             page, target = seq.pages[index], self.plan.phase(index, count)
