@@ -266,7 +266,7 @@ class Lifecycle:
     def holds(self, seq: SequenceState, tokens: int) -> bool:
         """Whether appending `tokens` keeps the pages that leave Recent waiting there (in Recent
         codes) instead of moving them to Mid: more of the prompt comes after this chunk
-        (`prompt_end`), and the tokens waiting (some) stay within `Config.prompt_hold_tokens`. When the
+        (`prompt_end`), and the tokens waiting stay within `Config.prompt_hold_tokens`. When the
         prompt ends (or the wait would grow past that), the waiting pages enter Mid together,
         ranked by the chunk then appended, as the whole prompt in one chunk ranks its pages;
         moved as each chunk pushes them out of Recent, a page is judged by the queries of the
@@ -274,12 +274,13 @@ class Lifecycle:
         where the policy evicts, Recent is coded (waiting holds no exact pool slot) and no byte
         cap (`layer_budget_bytes`) forbids holding more while the prompt is read than after."""
         end = seq.length + tokens
-        if (seq.prompt_end <= end or self.recent_bits is None or not self.mid_encoding.evict
-                or self.config.layer_budget_bytes is not None):
+        if (not self.config.prompt_hold_tokens or seq.prompt_end <= end or self.recent_bits is None
+                or not self.mid_encoding.evict or self.config.layer_budget_bytes is not None):
             return False
         P = self.config.page_size
         waiting = self.plan.mid_pages(-(-end // P)) * P - seq.mid_tokens
-        return 0 < waiting <= self.config.prompt_hold_tokens
+        # With none due yet it holds too: its tokens wait later, and it keeps their credit now.
+        return waiting <= self.config.prompt_hold_tokens
 
     def reaches_mid(self, length: int) -> bool:
         return self.plan.mid_pages(-(-length // self.config.page_size)) > 0
