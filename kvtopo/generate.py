@@ -314,7 +314,7 @@ def _token_list(name: str, value, vocab: int | None, single: bool, source: str) 
 
 # -- the loop's pieces --------------------------------------------------------------------------
 def _prefill(forward, input_ids, positions, mask, chunk: int, bar) -> torch.Tensor:
-    prompt_end = mask.sum(1).tolist()  # each row's real tokens: the session budgets every chunk at its prompt's end
+    prompt_end = mask.sum(1).tolist()  # each row's real tokens: every chunk is budgeted, and its pages wait, for it
     for start in range(0, input_ids.shape[1], chunk):
         end = min(start + chunk, input_ids.shape[1])
         logits = forward(input_ids[:, start:end], positions[:, start:end], mask[:, start:end], prompt_end)

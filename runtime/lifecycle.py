@@ -222,7 +222,7 @@ class Lifecycle:
                 page.tokens += take
                 seq.length += take
                 written += take
-            if seq.held_from is not None and not seq.holding:  # the prompt's end came without a new page
+            if seq.held_from is not None and not seq.holding:  # the wait ended in an append that opened no page
                 self.settle(seq, seq.held_from)
         finally:
             seq.chunk_queries = None

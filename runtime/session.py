@@ -94,8 +94,9 @@ class Session:
     def step(self, valid: torch.Tensor, prompt_end: Sequence[int] | None = None):
         """Mark which tokens of the next forward's chunk are real ([B, T] bool; False = padding).
         `prompt_end`: when the chunk is part of a longer prompt, the length (real tokens) each row's
-        sequence (row b: sequence b, as in `attend`) reaches at the prompt's end; its pages are then budgeted at that length, as if the
-        prompt came in one chunk (`Lifecycle.budget_length`)."""
+        sequence (row b: sequence b, as in `attend`) reaches at the prompt's end; its pages are then
+        budgeted at that length and wait in Recent until it, then ranked together, as if the prompt
+        came in one chunk (`Lifecycle.budget_length`, `Lifecycle.holds`)."""
         if valid.dtype != torch.bool or valid.dim() != 2:
             raise ValueError(f"step validity must be a [batch, tokens] bool tensor, got {valid.dtype} {tuple(valid.shape)}")
         ends = [] if prompt_end is None else [int(n) for n in prompt_end]
