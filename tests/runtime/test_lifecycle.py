@@ -311,9 +311,9 @@ def test_a_prompt_in_chunks_told_its_end_holds_the_bytes_of_one_chunk():
 def test_a_chunked_prompts_pages_wait_in_recent_and_are_ranked_as_one_chunk_ranks_them(monkeypatch):
     """While more of the prompt comes, no page enters Mid: those leaving Recent wait there in
     Recent codes (no exact slot), and when the prompt ends they are ranked together by its last
-    chunk, keeping what the whole prompt in one chunk keeps. The successor shares are off here:
-    they need each token's predecessor query, which a waiting page's chunk has dropped (those
-    tokens get the mean share instead)."""
+    chunk, keeping what the whole prompt in one chunk keeps. The successor shares are off here: a
+    waiting page's are those its own chunk gave it, among that chunk's tokens, where one chunk
+    shares them among the whole prompt's (the next test)."""
     import kvtopo.runtime.policies.topo as topo
 
     monkeypatch.setattr(topo, "SUCCESSOR_WEIGHT", 0.0)
