@@ -87,7 +87,9 @@ class Config:
     the prompt ends (or the wait would grow past it), ranked as one chunk ranks them; 0 moves
     each as its chunk pushes it out of Recent, ranked by the chunk just after it (README, Known
     limitations). Waiting costs memory while the prompt is read, not after; it is off under a
-    `layer_budget_bytes` cap, for policies that do not evict and where Recent is exact.
+    `layer_budget_bytes` cap, for policies that do not evict and where Recent is exact. 8,192: on
+    SmolLM2 at 8K in 512-token chunks, 4,096 left a mean KL of 0.034 where one chunk has 0.0055
+    (8,192: 0.0052; docs/measurements.md, "Prompts in 512-token chunks").
     """
 
     policy: str = "topo"
@@ -108,7 +110,7 @@ class Config:
     eviction_scope: str = "append"
     max_pages: int | None = None
     prefill_chunk_size: int = 512
-    prompt_hold_tokens: int = 4096
+    prompt_hold_tokens: int = 8192
 
     def __post_init__(self):
         from kvtopo.runtime.policies import POLICIES
