@@ -35,28 +35,22 @@ MODES = {"lossless": kvtopo.Config.lossless, "config": kvtopo.Config,
          "no_hold": lambda: kvtopo.Config(prompt_hold_tokens=0)}
 
 
-def prefill(model, ids: torch.Tensor, config: kvtopo.Config, chunk: int) -> int:
-    """One prefill of `ids` in a fresh session; the bytes the store holds after it."""
+def prefill(model, ids: torch.Tensor, config: kvtopo.Config, chunk: int, peak: bool = False) -> tuple[int, int]:
+    """One prefill of `ids` in a fresh session: (the bytes the store holds after it, the most it
+    held after any chunk; with `peak` only, for the stats it reads after every chunk cost time)."""
     with kvtopo.session(config) as s:
-        kvtopo.generate(model, ids, 1, prefill_chunk_size=chunk, progress=False)
-        return s.stats().total_bytes
-
-
-def peak_prefill(model, ids: torch.Tensor, config: kvtopo.Config, chunk: int) -> tuple[int, int]:
-    """One prefill of `ids` in a fresh session, its stats read after every chunk (untimed):
-    (the bytes held after it, the most held after any chunk)."""
-    with kvtopo.session(config) as s:
-        step, peak = s.step, [0]
+        most, step = [0], s.step
 
         @contextlib.contextmanager
         def counted(*args, **kwargs):
             with step(*args, **kwargs) as inside:
                 yield inside
-            peak[0] = max(peak[0], s.stats().total_bytes)
+            most[0] = max(most[0], s.stats().total_bytes)
 
-        s.step = counted
+        if peak:
+            s.step = counted
         kvtopo.generate(model, ids, 1, prefill_chunk_size=chunk, progress=False)
-        return s.stats().total_bytes, peak[0]
+        return s.stats().total_bytes, most[0]
 
 
 def profile(model, ids: torch.Tensor, chunk: int, top: int = 25) -> str:
@@ -90,7 +84,7 @@ def main() -> None:
                 times = {mode: [] for mode in MODES}
                 kv_bytes, peak_bytes = {}, {}
                 for mode, make in MODES.items():  # warm-up: compiles this chunk shape, allocates
-                    kv_bytes[mode], peak_bytes[mode] = peak_prefill(model, ids, make(), chunk)
+                    kv_bytes[mode], peak_bytes[mode] = prefill(model, ids, make(), chunk, peak=True)
                 for _ in range(args.repeats):
                     for mode, make in MODES.items():
                         start = time.perf_counter()
