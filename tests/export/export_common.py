@@ -24,6 +24,12 @@ CONFIG = Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=Non
                 prefill_chunk_size=64, key_energy=0.9, value_energy=0.9)
 
 
+def graph_config(config: Config) -> Config:
+    """What the exported graphs do with `config` (the export's own rule, `_exported_config`): the
+    session config a host runner must match."""
+    return export_package()._exported_config(config)
+
+
 # The runtimes that execute the ONNX files (the MLIR runs on IREE: test_iree.py).
 ONNX_RUNTIMES = ("onnxruntime", "openvino")
 LOGIT_TOLERANCE = {"onnxruntime": 2e-3, "openvino": 2e-2, "iree": 2e-3}
@@ -36,7 +42,7 @@ def assert_host_runner_matches_session(session_references, name: str, export_dir
     through the compiled model in a PyTorch session (the `session_references` fixture's run)
     agree: same tokens, logits within LOGIT_TOLERANCE, the same KV bytes held (the session's free pool slots
     aside). Returns the runners by runtime, for checks of what they hold."""
-    exported = config.replace(refit_after=None, eviction_scope="page", prompt_hold_tokens=0)  # what the graphs do
+    exported = graph_config(config)
     ids, reference = session_references(name, exported, prompt, new)
     runners = {}
     for a in export_module("check").compare_with_session(None, export_dir, runtimes, ids, new, reference=reference):

@@ -14,13 +14,12 @@ from onnx import TensorProto, helper
 from kvtopo.export.host_runner import HostRunner
 from kvtopo.models import zoo
 
-from export_common import CONFIG, assert_openvino_supports_every_op, export_module, export_package
+from export_common import CONFIG, assert_openvino_supports_every_op, export_module, export_package, graph_config
 
 PROMPT, NEW = 64, 16  # 80 tokens: Initial, Mid, Recent and Terminal pages at page_size 16
 # The float32 session the profile is compared with: what the graphs do (one token per call, so
 # the session prefills one token per forward too: bases are fitted on the same tokens).
-SESSION_CONFIG = CONFIG.replace(refit_after=None, eviction_scope="page", prompt_hold_tokens=0,
-                                prefill_chunk_size=1)
+SESSION_CONFIG = graph_config(CONFIG).replace(prefill_chunk_size=1)
 # Measured on the zoo Llama, 64-token prompt + 16 steps: 4.3e-3 on all three runtimes (float16
 # exact K/V, Recent/Mid statistics, bases and queries, and the float16 logits themselves; the
 # float32 path is within 2e-3). Twice that, so a worse rounding (float16 compute inside) fails.

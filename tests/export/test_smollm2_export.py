@@ -18,7 +18,7 @@ from kvtopo.config import Config
 from kvtopo.export.check import compare_with_session, session_reference
 from kvtopo.export_cli import PRETRAINED, load_model, prompt_ids
 
-from export_common import export_package
+from export_common import export_package, graph_config
 
 pytestmark = pytest.mark.skipif(not os.environ.get("KVTOPO_REAL_EXPORT"),
                                 reason="minutes on the real model: set KVTOPO_REAL_EXPORT=1")
@@ -32,7 +32,7 @@ def smollm2_reference():
     torch.set_num_threads(2)
     model, tokenizer = load_model(PRETRAINED)
     ids = prompt_ids(model, tokenizer, PROMPT)
-    reference = session_reference(model, ids, NEW, CONFIG.replace(refit_after=None, eviction_scope="page", prompt_hold_tokens=0))
+    reference = session_reference(model, ids, NEW, graph_config(CONFIG))
     return model, ids, reference
 
 

@@ -16,7 +16,7 @@ from kvtopo.runtime.codecs import MidSegment
 from kvtopo.runtime.layer_cache import best_tokens
 from kvtopo.runtime.policies import ScoreInputs, make_policy
 
-from export_common import CONFIG, assert_host_runner_matches_session, export_module
+from export_common import CONFIG, assert_host_runner_matches_session, export_module, graph_config
 
 PROMPT, NEW = 256, 32
 UNPROJECTED = CONFIG.replace(key_energy=None, value_energy=None)
@@ -142,8 +142,7 @@ def test_unprojected_npu_profile_matches_session(onnx_export, session_references
 
     prompt, new = 64, 16
     config = CONFIGS["no-budget"]
-    session_config = config.replace(refit_after=None, eviction_scope="page", prompt_hold_tokens=0,
-                                    prefill_chunk_size=1)
+    session_config = graph_config(config).replace(prefill_chunk_size=1)
     out, _ = onnx_export("llama", config, prompt + new, "npu")
     ids, reference = session_references("llama", session_config, prompt, new)
     for a in compare_with_session(None, out, ("onnxruntime", "openvino"), ids, new, reference=reference):
