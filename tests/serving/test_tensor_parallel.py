@@ -45,8 +45,7 @@ def _rank_main(checkpoint: str, out_dir: str) -> None:
     torch.distributed.barrier()  # rank 0 hosts the store: no rank tears down while another still talks to it
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
-    # Skip interpreter teardown: there, torch's gloo / store threads have aborted a rank (SIGABRT, "terminate
-    # called without an active exception") after all its work was done and written.
+    # Skip interpreter teardown, where gloo's threads can abort a process (SIGABRT) after its work is done.
     os._exit(0)
 
 
