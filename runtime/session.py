@@ -11,7 +11,7 @@ kept per sequence.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 import dataclasses
 import weakref
@@ -168,33 +168,41 @@ class Session:
 
         full = self._step_full if valid is not None else list(range(batch))
         if len(full) == batch:
-            out = self._attend_rows(cache, full, query, key, value, scale, softcap, sinks)
+            out = self._attend_rows(cache, full, query, key, value, scale, softcap, sinks, self._prompt_end)
             cache.columns += chunk
             return out
         out = query.new_zeros(*query.shape[:-1], value.shape[-1])
         if full:
-            out[full] = self._attend_rows(cache, full, query[full], key[full], value[full], scale, softcap, sinks)
+            out[full] = self._attend_rows(cache, full, query[full], key[full], value[full], scale, softcap, sinks,
+                                          self._prompt_end)
         for b in sorted(set(range(batch)) - set(full)):  # rows with padding: their real tokens only
             rows = valid[b].nonzero().squeeze(1)
             if not rows.numel():  # padding only: nothing to attend or store, its output stays zero
                 continue
             one = slice(b, b + 1), slice(None), rows
-            out[b, :, rows] = self._attend_rows(cache, [b], query[one], key[one], value[one], scale, softcap, sinks)[0]
+            out[b, :, rows] = self._attend_rows(cache, [b], query[one], key[one], value[one], scale, softcap, sinks,
+                                                self._prompt_end)[0]
         cache.columns += chunk
         return out
 
     def attend_sequence(self, layer: str, seq: int, query, key, value, scale: float, *,
-                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        softcap: float | None = None, sinks: torch.Tensor | None = None,
+                        prompt_end: int = 0) -> torch.Tensor:
         """Attention of one sequence's queries [Hq, T, d] over layer `layer`'s history of sequence
         `seq` and its new keys/values [Hkv, T, d] (causal within the chunk), then store the chunk.
+        `prompt_end`: when the chunk is part of a longer prompt, the length the sequence reaches
+        at the prompt's end, as `step` takes it (0: not said).
 
         For callers that keep their own request -> sequence map (a serving engine packing many
         requests into one flat batch): any int is a sequence id, sequences join when first seen
         and leave with `release`. `attend` (batch row b = sequence b) is for one fixed batch."""
         if not self.active:
             raise RuntimeError("kvtopo session used after it was closed")
+        if prompt_end < 0:
+            raise ValueError(f"prompt_end must be a length >= 0, got {prompt_end}")
         cache = self._layer_cache(layer, scale, None, None)
-        return self._attend_rows(cache, [seq], query[None], key[None], value[None], scale, softcap, sinks)[0]
+        return self._attend_rows(cache, [seq], query[None], key[None], value[None], scale, softcap, sinks,
+                                 {seq: prompt_end})[0]
 
     def attend_sequences(self, layer: str, seqs: Sequence[int], query, key, value, scale: float, *,
                          softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -266,24 +274,29 @@ class Session:
         return 0
 
     def _attend_rows(self, cache: LayerCache, seqs: Sequence[int], q, k, v, scale: float, softcap: float | None,
-                     sinks: torch.Tensor | None) -> torch.Tensor:
+                     sinks: torch.Tensor | None, prompt_end: Mapping[int, int] | None = None) -> torch.Tensor:
         """Attend q[i] [Hq, T, d] of sequence seqs[i] over [its history ; its chunk k[i], v[i]],
         then store the chunks. A decode step of the same sequences as the layer's last one goes
         through its ``DecodeBatch`` where that takes it (runtime/decode_batch.py); otherwise decode
         steps that can read the stored codes directly (C kernel on CPU, Triton on CUDA) go
-        together through one batched call, and the other rows one by one."""
-        if q.shape[2] == 1 and sinks is None:
+        together through one batched call, and the other rows one by one. `prompt_end`: sequence
+        -> the length its prompt reaches (`step`); a one-token chunk with more of its prompt to
+        come is a prompt chunk, not a decode step: its append is told the prompt's end."""
+        prompt_end = prompt_end or {}
+        prompt = {i for i, seq in enumerate(seqs) if prompt_end.get(seq, 0) > cache.length(seq) + q.shape[2]}
+        if q.shape[2] == 1 and sinks is None and not prompt:
             out = decode_step(cache, seqs, q, k, v, scale, softcap)
             if out is not None:
                 return out
-        fast = [i for i, seq in enumerate(seqs) if self._reads_codes(cache, seq, q[i], sinks)]
+        fast = [i for i, seq in enumerate(seqs) if i not in prompt and self._reads_codes(cache, seq, q[i], sinks)]
         if len(fast) == len(seqs):
             return self._decode_batch(cache, seqs, q, k, v, scale, softcap)
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         if fast:
             out[fast] = self._decode_batch(cache, [seqs[i] for i in fast], q[fast], k[fast], v[fast], scale, softcap)
         for i in sorted(set(range(len(seqs))) - set(fast)):
-            out[i] = self._attend_one(cache, seqs[i], q[i], k[i], v[i], scale, softcap, sinks)
+            out[i] = self._attend_one(cache, seqs[i], q[i], k[i], v[i], scale, softcap, sinks,
+                                      prompt_end.get(seqs[i], 0))
         return out
 
     @staticmethod
@@ -317,7 +330,7 @@ class Session:
         return out
 
     def _attend_one(self, cache: LayerCache, seq: int, q, k, v, scale: float, softcap: float | None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, prompt_end: int = 0) -> torch.Tensor:
         """Attend q [Hq, T, d] over [stored history ; new chunk], then store the chunk. A history
         of exact tokens only is one softmax with the chunk; a compressed one is read as stored
         (``history_attention``) where the kernels can, else decoded for the torch reference."""
@@ -342,7 +355,7 @@ class Session:
             if tracks_mass:
                 _accumulate_mass(cache, seq, q, parts, scale, softcap)
         cache.observe(seq, q, k.shape[0])
-        cache.append(seq, k, v[..., :0] if cache.shared_value_dim else v, prompt_end=self._prompt_end.get(seq, 0))
+        cache.append(seq, k, v[..., :0] if cache.shared_value_dim else v, prompt_end=prompt_end)
         return out
 
     # -- accounting ------------------------------------------------------------------------------

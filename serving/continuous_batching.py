@@ -167,6 +167,9 @@ class _Growth:
         self.new_sequence_nbytes = q_heads * window * head_dim * 2 if self.mid.evict else 0  # float16 queries
         # Per Mid epoch, keys and values: float16 directions of rank <= head_dim, float32 means.
         self.bases_nbytes = 2 * kv_heads * head_dim * (head_dim * 2 + 4) if self.mid.project else 0
+        # Per token of a chunk with more of its prompt to come: the credit a policy keeps for its
+        # ranking at the prompt's end (`Policy.held_credit`: an int64 position, a float32 per kv-head).
+        self.held_credit_nbytes = 8 + 4 * kv_heads if self.mid.evict else 0
 
     def exact_pages(self, pages: int) -> int:
         """Pages the lifecycle holds in exact pool slots when a sequence has `pages` pages."""
@@ -194,11 +197,11 @@ class _Growth:
             grown = bigger
         return grown
 
-    def of(self, seq: int | None, past: int, tokens: int,
+    def of(self, seq: int | None, past: int, tokens: int, prompt_end: int,
            promised: dict[str, int]) -> tuple[int, dict[str, int]] | None:
         """(bytes, pool slots per layer) that appending `tokens` after `past` to sequence `seq`
-        (None: not stored yet) can add, after the `promised` slots of other scheduled appends;
-        None when a pool at `max_pages` cannot hold them."""
+        (None: not stored yet; its prompt reaching `prompt_end`) can add, after the `promised`
+        slots of other scheduled appends; None when a pool at `max_pages` cannot hold them."""
         P = self.page_size
         pages_before, pages_after = -(-past // P), -(-(past + tokens) // P)
         opened = pages_after - pages_before
@@ -217,6 +220,8 @@ class _Growth:
             total += (grown - already) * page + opened * ((page if self.reencodes else 0) + 4)  # + block-table int32
             if entry is None:
                 total += self.new_sequence_nbytes
+            if prompt_end > past + tokens:
+                total += tokens * self.held_credit_nbytes
             if self.bases_nbytes and self._epoch_starts(entry, past + tokens):
                 total += self.bases_nbytes
             slots_by_layer[name] = slots
@@ -228,6 +233,11 @@ class _Growth:
         return entry.next_refit is not None and length >= entry.next_refit
 
 
+def _prompt_length(state) -> int:
+    """The length a request's prompt reaches (an evicted request re-prefills its generated tokens too)."""
+    return len(state.initial_tokens)
+
+
 def _rows(packed: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     """The tokens at positions `at` of a packed [1, H, T, d] batch as rows [N, H, 1, d]."""
     return packed[0][:, at].transpose(0, 1)[:, :, None]
@@ -235,12 +245,14 @@ def _rows(packed: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Span:
-    """One request's tokens in the packed forward: kvtopo sequence, engine past length, token count."""
+    """One request's tokens in the packed forward: kvtopo sequence, engine past length, token
+    count, and the length its prompt reaches (a prompt in chunks waits for it: `Session.step`)."""
 
     request_id: str
     seq: int
     past: int
     tokens: int
+    prompt_end: int
 
 
 class KvtopoPagedCache(PagedAttentionCache):
@@ -289,7 +301,7 @@ class KvtopoPagedCache(PagedAttentionCache):
         if self.budget_bytes is None:
             return super().can_store_request_tokens(state, request_len, dry_run)
         with self._lock:
-            cost = self._cost(state.request_id, state.current_len(), request_len, self._promised)
+            cost = self._cost(state, request_len, self._promised)
             if cost is None or self.held_bytes() + self._reserved + cost[0] > self.budget_bytes:
                 return False
             if not super().can_store_request_tokens(state, request_len, dry_run):
@@ -309,7 +321,7 @@ class KvtopoPagedCache(PagedAttentionCache):
             free, promised = self.budget_bytes - self.held_bytes() - self._reserved, dict(self._promised)
             fits = 0
             for state, request_len in self.scheduler.starved_requests[: len(list_blocks_needed)]:
-                cost = self._cost(state.request_id, state.current_len(), request_len, promised)
+                cost = self._cost(state, request_len, promised)
                 if cost is None or cost[0] > free:
                     break
                 free, fits = free - cost[0], fits + 1
@@ -329,8 +341,9 @@ class KvtopoPagedCache(PagedAttentionCache):
             self._held = sum(sum(layer.nbytes().values()) for layer in self.session.layers.values())
         return self._held
 
-    def _cost(self, request_id: str, past: int, tokens: int, promised: dict[str, int]):
-        return self.growth.of(self.sequence_of.get(request_id), past, tokens, promised)
+    def _cost(self, state, tokens: int, promised: dict[str, int]):
+        return self.growth.of(self.sequence_of.get(state.request_id), state.current_len(), tokens,
+                              _prompt_length(state), promised)
 
     # -- the forward ---------------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, kwargs):
@@ -354,7 +367,8 @@ class KvtopoPagedCache(PagedAttentionCache):
                 if seq is None:
                     seq = self.sequence_of[request_id] = self._next_seq
                     self._next_seq += 1
-                spans.append(_Span(request_id, seq, past, tokens))
+                spans.append(_Span(request_id, seq, past, tokens,
+                                   _prompt_length(self.scheduler.active_requests[request_id])))
             self._spans, self._recorded = spans, []
 
     def _reserve_slots(self) -> None:
@@ -390,19 +404,20 @@ class KvtopoPagedCache(PagedAttentionCache):
                     "stored (prefix sharing or CPU offloading must stay off)")
             starts.append(start)
             start += span.tokens
-        # Every single-token span in one call, so that the decode steps among them share one batched kernel.
-        decodes = [i for i, span in enumerate(spans) if span.tokens == 1]
+        # Every decode step in one call, so that they share one batched kernel. A one-token prompt
+        # chunk with more of its prompt to come is not one: it goes with the prompt chunks.
+        decodes = [i for i, span in enumerate(spans) if span.tokens == 1 and span.prompt_end <= span.past + 1]
         if decodes:
             at = torch.tensor([starts[i] for i in decodes], device=query.device)
             out[at] = self.session.attend_sequences(
                 layer, [spans[i].seq for i in decodes], *(_rows(x, at) for x in (query, key, value)), scale,
                 softcap=softcap, sinks=sinks)[:, :, 0]
-        for span, start in zip(spans, starts):
-            if span.tokens > 1:
+        for i, (span, start) in enumerate(zip(spans, starts)):
+            if i not in decodes:
                 end = start + span.tokens
                 out[start:end] = self.session.attend_sequence(
                     layer, span.seq, query[0, :, start:end], key[0, :, start:end], value[0, :, start:end], scale,
-                    softcap=softcap, sinks=sinks).transpose(0, 1)
+                    softcap=softcap, sinks=sinks, prompt_end=span.prompt_end).transpose(0, 1)
         return out[None]
 
     # -- requests leaving ----------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def test_chunked_prefill_reads_the_history_as_stored(config, monkeypatch):
     checked = []
     attend_stored = session_module.Session._attend_one
 
-    def compare(self, cache, seq, q, k, v, scale, softcap, sinks=None):
+    def compare(self, cache, seq, q, k, v, scale, softcap, sinks=None, prompt_end=0):
         if cache.length(seq) and q.shape[1] > 1:
             segments = cache.segments(seq)
             parts = session_module._history_partials(q, segments, scale, softcap)
@@ -91,10 +91,10 @@ def test_chunked_prefill_reads_the_history_as_stored(config, monkeypatch):
             before = merge_partials(parts + [session_module.partial_dense(q, k, v, scale, causal, softcap)])
             with monkeypatch.context() as inner:
                 inner.setattr(LayerCache, "segments", _never)
-                out = attend_stored(self, cache, seq, q, k, v, scale, softcap, sinks)
+                out = attend_stored(self, cache, seq, q, k, v, scale, softcap, sinks, prompt_end)
             checked.append((out.float() - before).abs().max().item() / before.abs().max().item())
             return out
-        return attend_stored(self, cache, seq, q, k, v, scale, softcap, sinks)
+        return attend_stored(self, cache, seq, q, k, v, scale, softcap, sinks, prompt_end)
 
     monkeypatch.setattr(session_module.Session, "_attend_one", compare)
     with kvtopo.session(config) as s:

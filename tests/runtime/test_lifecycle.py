@@ -394,6 +394,33 @@ def test_pages_do_not_wait_under_a_byte_cap_with_exact_recent_or_without_evictio
     assert mid[2] > 0
 
 
+def test_a_serving_engines_chunks_wait_for_the_prompts_end_even_one_token_long(monkeypatch):
+    """`Session.attend_sequence(prompt_end=...)`, as a serving engine packs prompt chunks of any
+    size: a one-token chunk with more of its prompt to come is a prompt chunk, not a decode step
+    (a decode step's append says no prompt end, and would end the wait early), so the chunks keep
+    what the whole prompt in one chunk keeps (successor shares off, as above)."""
+    import kvtopo.runtime.policies.topo as topo
+
+    monkeypatch.setattr(topo, "SUCCESSOR_WEIGHT", 0.0)
+    _, whole = _feed_in_chunks(CHUNKED, [1024])
+    k, v = _structured_kv(1024, heads=2, dim=32, dtype=torch.float16)
+    q = torch.randn(4, 1024, 32, dtype=torch.float16, generator=torch.Generator().manual_seed(1))
+    kept = {}
+    for told in (1024, 0):
+        with kvtopo.session(CHUNKED) as s:
+            start = 0
+            for size in (500, 1, 1, 1, 521):
+                end = start + size
+                s.attend_sequence("l", 0, q[:, start:end], k[:, start:end], v[:, start:end], 32 ** -0.5,
+                                  prompt_end=told)
+                start = end
+            kept[told] = [page.kept for page in s.layers["l"].stored_state(0).pages]
+    assert kept[1024] == whole
+    assert kept[0] != whole
+    with kvtopo.session(CHUNKED) as s, pytest.raises(ValueError, match="prompt_end must be a length >= 0"):
+        s.attend_sequence("l", 0, q[:, :4], k[:, :4], v[:, :4], 32 ** -0.5, prompt_end=-1)
+
+
 def test_prompt_hold_tokens_must_be_a_count():
     with pytest.raises(ValueError, match="prompt_hold_tokens"):
         kvtopo.Config(prompt_hold_tokens=-1)

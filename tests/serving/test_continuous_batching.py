@@ -140,6 +140,44 @@ def _run_stream(manager, prompts, new_tokens, session=None, budget=None):
     return peak, outputs
 
 
+def test_a_prompt_the_engine_splits_waits_for_its_end_as_one_chunk(monkeypatch):
+    """The engine splits a 600-token prompt into forwards of 64 tokens; each chunk is told where
+    the prompt ends, so its pages wait in Recent and are ranked at the end, keeping per page what
+    the prompt in one forward keeps (successor shares off: a waiting page's are its own chunk's,
+    tests/runtime/test_lifecycle.py). Told nothing (`prompt_hold_tokens=0` moves pages as chunks
+    push them out of Recent), other tokens survive."""
+    import kvtopo.runtime.policies.topo as topo
+
+    monkeypatch.setattr(topo, "SUCCESSOR_WEIGHT", 0.0)
+    prompt = _prompts((600,), seed=7)
+    told = []
+
+    def kept_per_page(config, batch_tokens):
+        session = Session(config)
+        kept, release, attend = {}, session.release, session.attend_sequence
+
+        def snapshot_then_release(seq):
+            kept.update({name: [page.kept for page in layer.stored_state(seq).pages]
+                         for name, layer in session.layers.items()})
+            release(seq)
+
+        session.release = snapshot_then_release
+        session.attend_sequence = lambda *a, prompt_end=0, **kw: told.append(prompt_end) or attend(
+            *a, prompt_end=prompt_end, **kw)
+        generate_batch(zoo.build("llama"), prompt, config, max_new_tokens=1, generation_config=GREEDY,
+                       continuous_batching_config=_engine(num_blocks=64, max_batch_tokens=batch_tokens),
+                       session=session)
+        return kept
+
+    config = Config(recent_tokens=64)
+    whole = kept_per_page(config, 1024)
+    assert told == [600] * 2  # one forward, each layer
+    told.clear()
+    assert kept_per_page(config, 64) == whole
+    assert told == [600] * 2 * 10  # ten forwards of at most 64 tokens
+    assert kept_per_page(config.replace(prompt_hold_tokens=0), 64) != whole
+
+
 def test_byte_budget_admits_more_requests_than_the_engines_own_cache():
     """One K/V byte budget: transformers' own cache gets that many bytes of blocks; kvtopo admits by
     its measured bytes (Config()'s coding: more requests at once; lossless: the engine's own tokens), and
@@ -275,7 +313,7 @@ def test_a_decode_that_opens_a_page_is_charged_one_page_not_a_growth_step():
         growth = continuous_batching._Growth(session, model_config, torch.float32)
         length = session.layers["0"].length(0)
         page = session.layers["0"].pool.page_nbytes
-        assert growth.of(0, length, 1, {}) == (2 * (page + 4), {"0": 1, "1": 1})  # + its block-table entry
+        assert growth.of(0, length, 1, 0, {}) == (2 * (page + 4), {"0": 1, "1": 1})  # + its block-table entry
 
 
 def test_a_session_already_holding_sequences_is_refused():
