@@ -19,6 +19,9 @@ assume it. Lossless (`Config.lossless()`) must give every request the same token
 own cache; that is checked and printed. The machine's load (`os.getloadavg`) before and after is
 recorded: the figures are wall-clock rates on shared cores.
 
+kvtopo runs `Config.lossless()`, `Config()` and `Config(prompt_hold_tokens=0)` (a prompt's chunks
+not waiting for its end: more requests fit while prompts are read; pages ranked chunk by chunk).
+
 Reported per engine (the JSON's names):
 - `peak_concurrent`: requests the scheduler holds active at once, at most;
 - `decode_tokens_per_s`: generated tokens over the whole run's wall time, prefill included. With
@@ -199,6 +202,10 @@ def main() -> None:
             ("transformers paged cache", None, blocks),
             ("kvtopo lossless", Session(Config.lossless()), ledger if by_bytes else blocks),
             (f"kvtopo Config() (target_ratio={compressed.target_ratio:g})", Session(compressed),
+             ledger if by_bytes else int(blocks * compressed.target_ratio)),
+            # A prompt's chunks wait for its end by default (Config.prompt_hold_tokens): the same
+            # coding with its pages moved as each chunk pushes them out of Recent.
+            ("kvtopo Config(prompt_hold_tokens=0)", Session(compressed.replace(prompt_hold_tokens=0)),
              ledger if by_bytes else int(blocks * compressed.target_ratio))):
         # The engine's own cache is allocated whole: it holds the budget from the start.
         model = zoo.build("llama")

@@ -57,6 +57,15 @@ its exact size until it settles, then held at the compressed size: admission is 
 the prefill chunk in flight, not by a guessed ratio. Lossless pages never re-encode: their slots
 alone are charged.
 
+A prompt the engine splits over several forwards is compressed as `kvtopo.generate` compresses
+one fed in chunks: each chunk is told where its request's prompt ends (`Session.attend_sequence(
+prompt_end=...)`: the request's initial tokens, which for an evicted request include what it had
+generated), so its pages are budgeted at that length and wait in Recent codes until it, then are
+ranked together (`Config.prompt_hold_tokens`; 0 moves each page as a chunk pushes it out of Recent).
+A one-token chunk with more of its prompt to come is attended as a prompt chunk, not with the decode
+steps. While a prompt is read, its waiting pages are in the measured bytes; the estimate adds the
+credit kept for a waiting chunk's tokens (`Policy.held_credit`).
+
 Every span is checked against the store before attention: the engine's past length for the request
 must equal the tokens kvtopo holds for its sequence, so a request never attends over a history that
 is not its own (`page_ownership_errors` checks the pools' slots besides).
