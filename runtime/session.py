@@ -283,7 +283,8 @@ class Session:
         -> the length its prompt reaches (`step`); a one-token chunk with more of its prompt to
         come is a prompt chunk, not a decode step: its append is told the prompt's end."""
         prompt_end = prompt_end or {}
-        prompt = {i for i, seq in enumerate(seqs) if prompt_end.get(seq, 0) > cache.length(seq) + q.shape[2]}
+        prompt = {i for i, seq in enumerate(seqs) if prompt_end.get(seq, 0) > cache.length(seq) + q.shape[2]} \
+            if prompt_end else set()  # a decode step's call says no prompt end: no walk over its sequences
         if q.shape[2] == 1 and sinks is None and not prompt:
             out = decode_step(cache, seqs, q, k, v, scale, softcap)
             if out is not None:
