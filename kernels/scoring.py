@@ -85,7 +85,8 @@ def expfree_scores(q_obs: Tensor, k: Tensor, scale, margin: float = DEFAULT_MARG
 SHARE_BLOCK_LOGITS = 1 << 19
 
 
-def successor_shares(queries: Tensor, rows: Tensor, k: Tensor, scale, margin: float = DEFAULT_MARGIN) -> Tensor:
+def successor_shares(queries: Tensor, rows: Tensor, k: Tensor, scale, margin: float = DEFAULT_MARGIN,
+                     competitors: int | None = None) -> Tensor:
     """[Hkv, N]: the share of its predecessor's exp-free credit that each token gets, summed over
     the kv-head's query heads. ``queries[:, rows[n]]`` ([Hq, d]) is the query of the token before
     key n of k [Hkv, N, d]; its credit ``relu(s - max + margin)`` is taken over all N keys, later
@@ -96,8 +97,14 @@ def successor_shares(queries: Tensor, rows: Tensor, k: Tensor, scale, margin: fl
     singles out -- a number or name nothing else in the text predicts -- gets a share near 1;
     one it shares with many look-alikes (filler, repeated phrases) a small share. Rows are
     gathered and taken in blocks of at most ``SHARE_BLOCK_LOGITS`` logits (an MLA layer's 128
-    query heads never copy a whole chunk's queries)."""
+    query heads never copy a whole chunk's queries).
+
+    ``competitors``: when the share is to be among more tokens than the N given (a chunk of a
+    prompt whose tokens are ranked together later, its other tokens' keys not yet stored), the
+    credit of the N - 1 others is taken as a sample of that many: the own token's credit over
+    ``own + others * (competitors - 1) / (N - 1)``."""
     kv_heads, n = k.shape[:2]
+    widen = (competitors - 1) / (n - 1) if competitors is not None and competitors > n > 1 else 1.0
     group = queries.shape[0] // kv_heads
     out = k.new_zeros(kv_heads, n, dtype=torch.float32)
     step = max(1, SHARE_BLOCK_LOGITS // max(1, group * n))
@@ -109,6 +116,8 @@ def successor_shares(queries: Tensor, rows: Tensor, k: Tensor, scale, margin: fl
         floor = logits.amax(-1).sub_(margin)  # [Hkv, G, b]
         own = logits[:, :, torch.arange(b), torch.arange(start, start + b)].sub_(floor).relu_()  # a copy
         total = logits.sub_(floor[..., None]).relu_().sum(-1)  # in place: the logits are a temporary
+        if widen != 1.0:
+            total = own + (total - own) * widen
         out[:, start:start + b] = (own / total).sum(1)
     return out
 

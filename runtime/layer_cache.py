@@ -579,7 +579,8 @@ class LayerCache(Lifecycle):
         values = key[..., : self.shared_value_dim] if self.shared_value_dim else value
         credit = self.policy.held_credit(ScoreInputs(
             key[:, local], values[:, local], entry.observation, self.scale, predecessor_queries=entry.chunk_queries,
-            predecessor_rows=self.predecessor_rows(entry, positions)))
+            predecessor_rows=self.predecessor_rows(entry, positions),
+            ranked_with=self.mid_tokens_coming(entry, self.budget_length(entry))))
         if credit is not None:
             entry.held_credit.append((positions, credit))
 

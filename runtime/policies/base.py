@@ -51,7 +51,8 @@ class ScoreInputs:
     and predecessor_rows [n] (long): the row of the query of the token before each ranked token,
     -1 where the chunk does not hold it (both None outside a prefill chunk's joint plan);
     held_credit [Hkv, n]: what `Policy.held_credit` gave each token while an earlier chunk of its
-    prompt was appended, NaN where nothing (None when no token has any).
+    prompt was appended, NaN where nothing (None when no token has any); ranked_with: for
+    `Policy.held_credit`, how many tokens the ranking at the prompt's end will see.
     """
 
     keys: torch.Tensor
@@ -63,6 +64,7 @@ class ScoreInputs:
     predecessor_queries: torch.Tensor | None = None
     predecessor_rows: torch.Tensor | None = None
     held_credit: torch.Tensor | None = None
+    ranked_with: int | None = None
 
 
 class Policy:

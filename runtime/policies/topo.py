@@ -86,13 +86,13 @@ def low_norm_prior(keys: torch.Tensor) -> torch.Tensor:
 
 
 def predecessor_shares(queries: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, scale,
-                       margin: float) -> torch.Tensor:
+                       margin: float, competitors: int | None = None) -> torch.Tensor:
     """[Hkv, n]: `successor_shares` of the tokens whose predecessor's query the chunk holds
-    (`queries[:, rows[t]]`), among those tokens; NaN where `rows[t]` < 0 (the predecessor was
-    stored with an earlier chunk, its query gone)."""
+    (`queries[:, rows[t]]`), among those tokens (or as if among `competitors`); NaN where
+    `rows[t]` < 0 (the predecessor was stored with an earlier chunk, its query gone)."""
     held = (rows >= 0).nonzero()[:, 0]
     out = keys.new_full(keys.shape[:2], float("nan"), dtype=torch.float32)
-    out[:, held] = successor_shares(queries, rows[held], keys[:, held], scale, margin)
+    out[:, held] = successor_shares(queries, rows[held], keys[:, held], scale, margin, competitors)
     return out
 
 
@@ -172,8 +172,10 @@ class Topo(Policy):
 
     def held_credit(self, inputs: ScoreInputs) -> torch.Tensor | None:
         """The successor shares, which need each token's predecessor's query: a waiting page's
-        chunk is gone when the prompt's end ranks it."""
+        chunk is gone when the prompt's end ranks it. Shared as if among the tokens that ranking
+        will see (`ScoreInputs.ranked_with`), not only the chunk's: among fewer, a filler token's
+        share is larger and a singled-out token stands out less."""
         if inputs.predecessor_queries is None:
             return None
         return predecessor_shares(inputs.predecessor_queries, inputs.predecessor_rows, inputs.keys, inputs.scale,
-                                  self.config.score_margin)
+                                  self.config.score_margin, inputs.ranked_with)

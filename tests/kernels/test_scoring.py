@@ -77,6 +77,30 @@ def test_successor_shares_against_float64_loops(groups, block_logits, monkeypatc
     torch.testing.assert_close(successor_shares(q, rows, k, scale).double(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_successor_shares_among_more_competitors_take_the_others_as_a_sample(monkeypatch):
+    """`competitors`: the share as if among that many tokens, the N - 1 others given standing for
+    the rest. Exact when the rest repeats them: token t's share among its N keys plus a copy of the
+    N - 1 others (the max unchanged), in float64 loops, equals `competitors=2N - 1`."""
+    monkeypatch.setattr(scoring, "SHARE_BLOCK_LOGITS", 7)  # several blocks
+    g = torch.Generator().manual_seed(3)
+    kv_heads, groups, n, d, scale = 2, 2, 9, 8, 0.7
+    q = torch.randn(kv_heads * groups, 12, d, generator=g)
+    rows = torch.randperm(12, generator=g)[:n]
+    k = torch.randn(kv_heads, n, d, generator=g)
+    expected = torch.zeros(kv_heads, n, dtype=torch.float64)
+    for h in range(kv_heads * groups):
+        for t in range(n):
+            others = torch.cat([k[h // groups, :t], k[h // groups, t + 1:]])
+            keys = torch.cat([k[h // groups], others]).double()
+            logits = scale * keys @ q[h, rows[t]].double()
+            credit = torch.relu(logits - logits.max() + DEFAULT_MARGIN)
+            expected[h // groups, t] += credit[t] / credit.sum()
+    widened = successor_shares(q, rows, k, scale, competitors=2 * n - 1)
+    torch.testing.assert_close(widened.double(), expected, rtol=1e-5, atol=1e-6)
+    assert (widened <= successor_shares(q, rows, k, scale) + 1e-7).all()
+    torch.testing.assert_close(successor_shares(q, rows, k, scale, competitors=n), successor_shares(q, rows, k, scale))
+
+
 def test_a_token_its_predecessor_singles_out_gets_its_whole_share():
     """Token 3 is the only key its predecessor's query points at: share 1. Tokens 1, 4 and 5 are
     look-alikes, and the query before token 5 finds all three: token 5 gets a third. No

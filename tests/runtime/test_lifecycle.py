@@ -335,9 +335,10 @@ def test_a_chunked_prompts_pages_wait_in_recent_and_are_ranked_as_one_chunk_rank
 
 def test_a_waiting_prompts_successor_shares_are_kept_for_its_end(monkeypatch):
     """The successor shares need each token's predecessor's query, gone when the prompt's end ranks
-    a waiting page: each chunk's are kept (`Policy.held_credit`), among that chunk's tokens, and
-    the ranking at the end takes them. A chunk's first token (its predecessor in the chunk before)
-    has none; the last chunk's own tokens are scored live."""
+    a waiting page: each chunk's are kept (`Policy.held_credit`), shared as if among the 928
+    tokens the ranking at the prompt's end sees (the chunk's other tokens' credit taken as a sample
+    of those), and the ranking at the end takes them. A chunk's first token (its predecessor in the
+    chunk before) has none; the last chunk's own tokens are scored live."""
     from kvtopo.kernels.scoring import successor_shares
     from kvtopo.runtime.policies.topo import Topo
 
@@ -351,8 +352,11 @@ def test_a_waiting_prompts_successor_shares_are_kept_for_its_end(monkeypatch):
     for chunk in range(7):
         first = max(16, 128 * chunk + 1)  # page 0 is Initial: never ranked
         end = 128 * (chunk + 1)
-        own = successor_shares(q[:, first - 1:end - 1], torch.arange(end - first), k[:, first:end], 32 ** -0.5, 4.0)
+        own = successor_shares(q[:, first - 1:end - 1], torch.arange(end - first), k[:, first:end], 32 ** -0.5, 4.0,
+                               competitors=928)
         torch.testing.assert_close(held[:, first - 16:end - 16], own)
+        assert not torch.allclose(own, successor_shares(q[:, first - 1:end - 1], torch.arange(end - first),
+                                                        k[:, first:end], 32 ** -0.5, 4.0))
         if chunk:
             assert held[:, 128 * chunk - 16].isnan().all()
     assert held[:, 896 - 16:].isnan().all()
