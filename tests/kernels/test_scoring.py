@@ -56,6 +56,29 @@ def test_scores_group_query_heads_by_kv_head(groups):
     torch.testing.assert_close(softmax_mass(q, k, scale).double(), expected_mass, rtol=1e-5, atol=1e-6)
 
 
+def _share_inputs(seed: int, kv_heads: int, groups: int, n: int, queries: int, d: int = 8):
+    """A chunk's queries [Hq, queries, d], the rows of n tokens' predecessors, their keys [Hkv, n, d]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(kv_heads * groups, queries, d, generator=g)
+    rows = torch.randperm(queries, generator=g)[:n]
+    k = torch.randn(kv_heads, n, d, generator=g)
+    return q, rows, k
+
+
+def _shares_float64(q, rows, k, scale, competitors=lambda keys, t: keys):
+    """`successor_shares` in float64 loops: token t's part of its predecessor's credit over the
+    keys `competitors(its head's keys, t)` (token t's own key at index t), summed over query heads."""
+    kv_heads, n = k.shape[:2]
+    groups = q.shape[0] // kv_heads
+    expected = torch.zeros(kv_heads, n, dtype=torch.float64)
+    for h in range(kv_heads * groups):
+        for t in range(n):
+            logits = scale * competitors(k[h // groups], t).double() @ q[h, rows[t]].double()
+            credit = torch.relu(logits - logits.max() + DEFAULT_MARGIN)
+            expected[h // groups, t] += credit[t] / credit.sum()
+    return expected
+
+
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("block_logits", [scoring.SHARE_BLOCK_LOGITS, 1])
 def test_successor_shares_against_float64_loops(groups, block_logits, monkeypatch):
@@ -63,18 +86,9 @@ def test_successor_shares_against_float64_loops(groups, block_logits, monkeypatc
     later ones too, divided by its sum; token n gets its own column's part, summed over the
     kv-head's query heads. With a block of 1 logit every row is its own block."""
     monkeypatch.setattr(scoring, "SHARE_BLOCK_LOGITS", block_logits)
-    g = torch.Generator().manual_seed(groups)
-    kv_heads, n, d, scale = 2, 17, 8, 0.7
-    q = torch.randn(kv_heads * groups, 25, d, generator=g)
-    rows = torch.randperm(25, generator=g)[:n]
-    k = torch.randn(kv_heads, n, d, generator=g)
-    expected = torch.zeros(kv_heads, n, dtype=torch.float64)
-    for h in range(kv_heads * groups):
-        for t in range(n):
-            logits = scale * k[h // groups].double() @ q[h, rows[t]].double()  # over all n keys
-            credit = torch.relu(logits - logits.max() + DEFAULT_MARGIN)
-            expected[h // groups, t] += credit[t] / credit.sum()
-    torch.testing.assert_close(successor_shares(q, rows, k, scale).double(), expected, rtol=1e-5, atol=1e-6)
+    q, rows, k = _share_inputs(groups, kv_heads=2, groups=groups, n=17, queries=25)
+    torch.testing.assert_close(successor_shares(q, rows, k, 0.7).double(), _shares_float64(q, rows, k, 0.7),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_successor_shares_among_more_competitors_take_the_others_as_a_sample(monkeypatch):
@@ -82,23 +96,13 @@ def test_successor_shares_among_more_competitors_take_the_others_as_a_sample(mon
     the rest. Exact when the rest repeats them: token t's share among its N keys plus a copy of the
     N - 1 others (the max unchanged), in float64 loops, equals `competitors=2N - 1`."""
     monkeypatch.setattr(scoring, "SHARE_BLOCK_LOGITS", 7)  # several blocks
-    g = torch.Generator().manual_seed(3)
-    kv_heads, groups, n, d, scale = 2, 2, 9, 8, 0.7
-    q = torch.randn(kv_heads * groups, 12, d, generator=g)
-    rows = torch.randperm(12, generator=g)[:n]
-    k = torch.randn(kv_heads, n, d, generator=g)
-    expected = torch.zeros(kv_heads, n, dtype=torch.float64)
-    for h in range(kv_heads * groups):
-        for t in range(n):
-            others = torch.cat([k[h // groups, :t], k[h // groups, t + 1:]])
-            keys = torch.cat([k[h // groups], others]).double()
-            logits = scale * keys @ q[h, rows[t]].double()
-            credit = torch.relu(logits - logits.max() + DEFAULT_MARGIN)
-            expected[h // groups, t] += credit[t] / credit.sum()
-    widened = successor_shares(q, rows, k, scale, competitors=2 * n - 1)
-    torch.testing.assert_close(widened.double(), expected, rtol=1e-5, atol=1e-6)
-    assert (widened <= successor_shares(q, rows, k, scale) + 1e-7).all()
-    torch.testing.assert_close(successor_shares(q, rows, k, scale, competitors=n), successor_shares(q, rows, k, scale))
+    n = 9
+    q, rows, k = _share_inputs(3, kv_heads=2, groups=2, n=n, queries=12)
+    repeated = _shares_float64(q, rows, k, 0.7, lambda keys, t: torch.cat([keys, keys[:t], keys[t + 1:]]))
+    widened = successor_shares(q, rows, k, 0.7, competitors=2 * n - 1)
+    torch.testing.assert_close(widened.double(), repeated, rtol=1e-5, atol=1e-6)
+    assert (widened <= successor_shares(q, rows, k, 0.7) + 1e-7).all()
+    torch.testing.assert_close(successor_shares(q, rows, k, 0.7, competitors=n), successor_shares(q, rows, k, 0.7))
 
 
 def test_a_token_its_predecessor_singles_out_gets_its_whole_share():
