@@ -580,7 +580,8 @@ class LayerCache(Lifecycle):
         credit = self.policy.held_credit(ScoreInputs(
             key[:, local], values[:, local], entry.observation, self.scale, predecessor_queries=entry.chunk_queries,
             predecessor_rows=self.predecessor_rows(entry, positions),
-            ranked_with=self.mid_tokens_coming(entry, self.budget_length(entry))))
+            # The ranking that ends the wait: at the prompt's end, or once prompt_hold_tokens wait.
+            ranked_with=min(self.mid_tokens_coming(entry, self.budget_length(entry)), self.config.prompt_hold_tokens)))
         if credit is not None:
             entry.held_credit.append((positions, credit))
 

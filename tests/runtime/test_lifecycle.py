@@ -362,9 +362,15 @@ def test_a_waiting_prompts_successor_shares_are_kept_for_its_end(monkeypatch):
     assert held[:, 896 - 16:].isnan().all()
 
 
-def test_pages_wait_for_a_prompts_end_at_most_prompt_hold_tokens():
+def test_pages_wait_for_a_prompts_end_at_most_prompt_hold_tokens(monkeypatch):
     """The wait is bounded: past `prompt_hold_tokens` waiting tokens the pages enter Mid, ranked by
-    the chunk then appended, so a long prompt never holds more than that in Recent codes."""
+    the chunk then appended, so a long prompt never holds more than that in Recent codes; the
+    waiting tokens' shares are divided as if among the tokens that ranking sees, not the prompt's."""
+    from kvtopo.runtime.policies.topo import Topo
+
+    ranked_with, held_credit = [], Topo.held_credit
+    monkeypatch.setattr(Topo, "held_credit", lambda self, inputs: ranked_with.append(inputs.ranked_with) or
+                        held_credit(self, inputs))
     config = CHUNKED.replace(prompt_hold_tokens=256)
     plan, held = PhasePlan(config.page_size, config.sink_tokens, config.recent_tokens), []
 
@@ -375,6 +381,7 @@ def test_pages_wait_for_a_prompts_end_at_most_prompt_hold_tokens():
 
     _feed_in_chunks(config, [128] * 8, prompt_end=[1024], watch=watch)
     assert 0 < max(held) <= 256 and held[-1] == 0
+    assert ranked_with and set(ranked_with) == {256}
 
 
 def test_the_prompts_last_chunk_moves_the_waiting_pages_even_when_it_opens_no_page():
