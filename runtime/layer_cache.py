@@ -122,6 +122,12 @@ class Moves:
         return self._recent_index.get(id(page))
 
 
+def held_credit_nbytes(kv_heads: int) -> int:
+    """Bytes `SequenceKV.held_credit` keeps per waiting token: its int64 position and a float32
+    credit per kv-head (what a byte budget must leave room for while a prompt's pages wait)."""
+    return 8 + 4 * kv_heads
+
+
 @dataclass
 class SequenceKV(SequenceState):
     _block_table: torch.Tensor | None = None  # `block_table` as last built; None: rebuild at the next read
@@ -130,7 +136,7 @@ class SequenceKV(SequenceState):
     dropped: int = 0  # tokens of the leading pages released because they left the sliding window
     evicted: int = 0  # tokens of the pages in Mid that were not kept
     moves: Moves = field(default_factory=Moves)  # pending until the append ends
-    # (positions [m], credit [Hkv, m]) that the chunks of a prompt whose pages wait gave its tokens
+    # (positions [m] int64, credit [Hkv, m] float32: `held_credit_nbytes`) that the chunks of a prompt whose pages wait gave its tokens
     # (`Policy.held_credit`), for the ranking at the prompt's end
     held_credit: list = field(default_factory=list)
     page_bytes: PageBytes = field(default_factory=PageBytes)
@@ -583,7 +589,7 @@ class LayerCache(Lifecycle):
             # The ranking that ends the wait: at the prompt's end, or once prompt_hold_tokens wait.
             ranked_with=min(self.mid_tokens_coming(entry, self.budget_length(entry)), self.config.prompt_hold_tokens)))
         if credit is not None:
-            entry.held_credit.append((positions, credit))
+            entry.held_credit.append((positions, credit.float()))
 
     @staticmethod
     def _held_credit_at(entry: SequenceKV, positions: torch.Tensor) -> torch.Tensor | None:

@@ -108,6 +108,7 @@ from transformers.generation.continuous_batching.utils import (WorkloadHints, fi
                                                                logger)
 
 from kvtopo.config import Config
+from kvtopo.runtime.layer_cache import held_credit_nbytes
 from kvtopo.runtime.lifecycle import observed_positions
 from kvtopo.runtime.page_pool import growth_step
 from kvtopo.runtime.phases import Phase, PhasePlan
@@ -176,9 +177,9 @@ class _Growth:
         self.new_sequence_nbytes = q_heads * window * head_dim * 2 if self.mid.evict else 0  # float16 queries
         # Per Mid epoch, keys and values: float16 directions of rank <= head_dim, float32 means.
         self.bases_nbytes = 2 * kv_heads * head_dim * (head_dim * 2 + 4) if self.mid.project else 0
-        # Per token of a chunk with more of its prompt to come: the credit a policy keeps for its
-        # ranking at the prompt's end (`Policy.held_credit`: an int64 position, a float32 per kv-head).
-        self.held_credit_nbytes = 8 + 4 * kv_heads if self.mid.evict else 0
+        # Per token of a chunk with more of its prompt to come: the credit a policy may keep for its
+        # ranking at the prompt's end (`Policy.held_credit`).
+        self.held_credit_nbytes = held_credit_nbytes(kv_heads) if self.mid.evict else 0
 
     def exact_pages(self, pages: int) -> int:
         """Pages the lifecycle holds in exact pool slots when a sequence has `pages` pages."""
@@ -262,6 +263,12 @@ class _Span:
     past: int
     tokens: int
     prompt_end: int
+
+    @property
+    def decodes(self) -> bool:
+        """A decode step: one token, the prompt's last or later (a one-token chunk with more of its
+        prompt to come is a prompt chunk)."""
+        return self.tokens == 1 and self.prompt_end <= self.past + 1
 
 
 class KvtopoPagedCache(PagedAttentionCache):
@@ -413,16 +420,15 @@ class KvtopoPagedCache(PagedAttentionCache):
                     "stored (prefix sharing or CPU offloading must stay off)")
             starts.append(start)
             start += span.tokens
-        # Every decode step in one call, so that they share one batched kernel. A one-token prompt
-        # chunk with more of its prompt to come is not one: it goes with the prompt chunks.
-        decodes = [i for i, span in enumerate(spans) if span.tokens == 1 and span.prompt_end <= span.past + 1]
+        # Every decode step in one call, so that they share one batched kernel.
+        decodes = [i for i, span in enumerate(spans) if span.decodes]
         if decodes:
             at = torch.tensor([starts[i] for i in decodes], device=query.device)
             out[at] = self.session.attend_sequences(
                 layer, [spans[i].seq for i in decodes], *(_rows(x, at) for x in (query, key, value)), scale,
                 softcap=softcap, sinks=sinks)[:, :, 0]
         for i, (span, start) in enumerate(zip(spans, starts)):
-            if i not in decodes:
+            if not span.decodes:
                 end = start + span.tokens
                 out[start:end] = self.session.attend_sequence(
                     layer, span.seq, query[0, :, start:end], key[0, :, start:end], value[0, :, start:end], scale,

@@ -338,13 +338,18 @@ def test_a_waiting_prompts_successor_shares_are_kept_for_its_end(monkeypatch):
     a waiting page: each chunk's are kept (`Policy.held_credit`), shared as if among the 928
     tokens the ranking at the prompt's end sees (the chunk's other tokens' credit taken as a sample
     of those), and the ranking at the end takes them. A chunk's first token (its predecessor in the
-    chunk before) has none; the last chunk's own tokens are scored live."""
+    chunk before) has none; the last chunk's own tokens are scored live. The store counts the kept
+    credit at `held_credit_nbytes` per token, what continuous batching's admission charges for it."""
     from kvtopo.kernels.scoring import successor_shares
+    from kvtopo.runtime.layer_cache import LayerCache, held_credit_nbytes
     from kvtopo.runtime.policies.topo import Topo
 
-    seen, score = [], Topo.score
+    seen, score, kept = [], Topo.score, []
     monkeypatch.setattr(Topo, "score", lambda self, inputs: seen.append(inputs) or score(self, inputs))
-    _feed_in_chunks(CHUNKED, [128] * 8, prompt_end=[1024])
+    _feed_in_chunks(CHUNKED, [128] * 8, prompt_end=[1024], watch=lambda entry: kept.append(
+        (sum(where.numel() for where, _ in entry.held_credit), LayerCache._held_credit_nbytes(entry))))
+    assert [tokens for tokens, _ in kept] == [112 + 128 * c for c in range(7)] + [0]
+    assert all(nbytes == tokens * held_credit_nbytes(2) for tokens, nbytes in kept)
     held = seen[-1].held_credit  # the last chunk's joint plan: pages 1..58, tokens 16..943
     assert held is not None and held.shape == (2, 928)
     k, _ = _structured_kv(1024, heads=2, dim=32, dtype=torch.float16)
