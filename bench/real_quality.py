@@ -141,6 +141,7 @@ FIDELITY_LENGTHS = (2048, 4096, 8128)  # + 64 forced tokens: 8,192 is the model'
 FIDELITY_TOKENS = 64
 CALIBRATION_SEED = 99_999  # the prose palu's energies are calibrated on (natural_text's seed)
 WINDOWS = dict(prefill_chunk_size=8192)  # everything else: kvtopo.Config()'s defaults
+ENGINES = ("session", "continuous-batching")
 DEFAULT_EXAMPLES = 20
 QUICK = dict(examples=1, policies=["full", "topo", "snapkv"], ratios=[8.0], presses=["snapkv", "expected_attention"],
              fidelity_lengths=[1024], fidelity_texts=1, dtype="float32")
@@ -279,6 +280,31 @@ def run_kvtopo(model, config, turns, max_new, eos) -> tuple[list[list[int]], lis
                                fp16_bytes=st.fp16_bytes))
 
         answers = converse(SessionForward(model, s), turns, max_new, eos, measure)
+    return answers, memory
+
+
+def serve_kvtopo(model, config, prompts, max_new, eos, batch_tokens) -> tuple[list[list[int]], dict]:
+    """Greedy answers of one-turn prompts served together by transformers' continuous batching
+    with the session as its KV cache (serving/continuous_batching.py; the engine splits prompts
+    into forwards of at most `batch_tokens` tokens, mixing requests), and the session's stats when
+    it held the most bytes: several requests at once, some still reading their prompts."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from kvtopo.serving.continuous_batching import generate_batch
+
+    greedy = GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+    with torch.no_grad():
+        result = generate_batch(model, prompts, config, max_new_tokens=max(max_new), generation_config=greedy,
+                                continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=batch_tokens))
+    answers = []
+    for output, limit in zip(result.outputs.values(), max_new):
+        tokens = list(output.generated_tokens[:limit])
+        answers.append(tokens[:next((i for i, t in enumerate(tokens) if t in eos), len(tokens))])
+    peak = result.peak
+    held = sum(n for per_sequence in peak.held_tokens.values() for n in per_sequence)
+    memory = dict(ratio=peak.ratio_vs_fp16, kept=held / (len(peak.held_tokens) * sum(peak.tokens)),
+                  budget_missed=float(peak.budget_missed), total_bytes=peak.total_bytes, fp16_bytes=peak.fp16_bytes)
     return answers, memory
 
 
@@ -523,6 +549,11 @@ def parse_args(argv):
     p.add_argument("--prefill-chunk", type=int, default=WINDOWS["prefill_chunk_size"],
                    help="tokens per prefill forward in kvtopo's sessions (default %(default)s: a prompt is one "
                         "chunk; 512 is kvtopo.generate's default)")
+    p.add_argument("--engine", default="session", choices=ENGINES,
+                   help="how kvtopo's cells run: 'session' (default), one conversation at a time through a kvtopo "
+                        "session; 'continuous-batching', a cell's prompts served together by transformers' continuous "
+                        "batching with kvtopo's store as its cache, --prefill-chunk tokens per forward (query-aware "
+                        "only; ratio and kept are the session's at its peak, several requests at once)")
     p.add_argument("--prompt-hold-tokens", type=int, default=kvtopo.Config().prompt_hold_tokens,
                    help="tokens a chunked prompt's pages may wait in Recent for its end (default %(default)s, the "
                         "Config's; 0: each page moves when its chunk pushes it out of Recent)")
@@ -536,6 +567,8 @@ def parse_args(argv):
     args.seed_offset = args.seed_offset if args.seed_offset is not None else (VALIDATION_SEEDS if measure else 0)
     if args.examples < 1 or args.seed_offset < 0 or args.prefill_chunk < 1 or args.prompt_hold_tokens < 0:
         p.error("--examples, --prefill-chunk must be >= 1 and --seed-offset, --prompt-hold-tokens >= 0")
+    if args.engine == "continuous-batching" and (args.settings not in (None, ["aware"]) or measure):
+        p.error("--engine continuous-batching serves one-turn prompts: --settings aware only, no --measure-lengths")
     if args.seed_offset < VALIDATION_SEEDS < args.seed_offset + args.examples:
         p.error(f"seeds {args.seed_offset}..{args.seed_offset + args.examples - 1} mix benchmark seeds "
                 f"(< {VALIDATION_SEEDS}) with validation seeds")
@@ -544,7 +577,7 @@ def parse_args(argv):
     if "full" not in args.policies:
         args.policies.insert(0, "full")
     args.ratios = sorted(set(args.ratios or quick.get("ratios", list(RATIOS))))
-    args.settings = ["aware"] if measure else (args.settings or list(SETTINGS))
+    args.settings = ["aware"] if measure or args.engine != "session" else (args.settings or list(SETTINGS))
     args.presses = [] if measure else (args.presses if args.presses is not None else quick.get("presses", list(PRESSES)))
     args.fidelity_lengths = ([] if measure else args.fidelity_lengths if args.fidelity_lengths is not None
                              else quick.get("fidelity_lengths", list(FIDELITY_LENGTHS)))
@@ -637,7 +670,15 @@ def main(argv=None) -> dict:
             for seed in seeds:
                 ex = R.make_example(task, length, seed, prompts.count)
                 cell.append(dict(id=f"{task}/{length}/{seed}", example=ex, segments=prompts.segments(ex)))
-            for e in cell:
+            if args.engine == "continuous-batching":  # the cell's examples served together, aware only
+                asked = [conversation(e["segments"], "aware") for e in cell]
+                for plan in plans[length]:
+                    answers, memory = serve_kvtopo(model, config_of(plan), [turns[0][0] for turns, _ in asked],
+                                                   [max_new[0] for _, max_new in asked], eos, args.prefill_chunk)
+                    for e, answer in zip(cell, answers):
+                        record("kvtopo", plan["policy"], plan["nominal"], "aware", e, [answer], [memory])
+                    bar.update(len(cell))
+            for e in cell if args.engine == "session" else ():
                 for setting in args.settings:
                     turns, max_new = conversation(e["segments"], setting)
                     for plan in plans[length]:
@@ -705,7 +746,7 @@ def main(argv=None) -> dict:
                            .items() if k in ("page_size", "sink_tokens", "recent_tokens", "observation_window",
                                              "prefill_chunk_size", "prompt_hold_tokens")},
                   seeds=[args.seed_offset, args.seed_offset + args.examples], examples=args.examples,
-                  settings=args.settings, policies=args.policies, ratios=args.ratios, presses=args.presses,
+                  engine=args.engine, settings=args.settings, policies=args.policies, ratios=args.ratios, presses=args.presses,
                   fidelity_lengths=args.fidelity_lengths, fidelity_texts=args.fidelity_texts,
                   cells=cells, lengths_measured=measured["accuracy"] if measured else None,
                   full_agreement_across_envs=[sum(agree), len(agree)] if agree else None,
