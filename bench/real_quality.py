@@ -45,6 +45,13 @@ Settings.
   the same conversation, on the same compressed context.
 Greedy answers stop at the model's eos (``<|im_end|>``) or the question's token limit.
 
+Engines. kvtopo's cells run one conversation at a time through a session (``--engine session``,
+the default), or, query-aware only, as a server would run them (``--engine continuous-batching``):
+a cell's prompts are served together by transformers' continuous batching with kvtopo's store as
+its KV cache (``serving/continuous_batching.py``), the engine splitting them into forwards of
+``--prefill-chunk`` tokens shared between requests; ``ratio`` and ``kept`` are then the session's
+when it held the most bytes, several requests at once, some still reading their prompts.
+
 Policies and ratios: kvtopo's ``full``, ``topo``, ``snapkv``, ``h2o``, ``knorm``, ``streaming``,
 ``kivi``, ``palu`` at nominal 2 / 4 / 8 / 16x, each nominal ratio mapped to a Config exactly as
 ``bench/quality.py`` does (``quality.plan_configs``: a ratio budget for the evicting policies,
