@@ -36,6 +36,25 @@ def _reference(model, prompt, new_tokens):
     return out[0, len(prompt):].tolist()
 
 
+def test_the_engines_own_cache_tensor_is_never_allocated(monkeypatch):
+    """The engine sizes its flat cache tensor to the memory it finds free (on CPU, most of the
+    machine's) and zero-fills it; kvtopo holds the keys and values, so that tensor is made on the
+    meta device, never in memory."""
+    made, zeros = [], torch.zeros
+
+    def recording(*args, **kwargs):
+        out = zeros(*args, **kwargs)
+        if out.dtype is torch.uint8:
+            made.append((out.numel(), out.device.type))
+        return out
+
+    monkeypatch.setattr(torch, "zeros", recording)
+    result = generate_batch(zoo.build("llama"), _prompts([20, 30]), Config(), max_new_tokens=2,
+                            generation_config=GREEDY)
+    assert len(result.outputs) == 2
+    assert made and all(device == "meta" for _, device in made) and max(n for n, _ in made) > 2 ** 20
+
+
 def test_lossless_tokens_equal_the_engines_own_paged_cache(monkeypatch):
     """Same tokens as the engine's own cache; every forward attends its decode steps in one
     `attend_sequences` call per layer, and no single-token span alone."""
