@@ -8,8 +8,9 @@ tokens each, `--max-batch-tokens` tokens per forward. Modes:
 - `kvtopo-lossless`: the same with `Config.lossless()`;
 - `engine`: transformers' `model.generate_batch` with its own cache, which it sizes to the memory
   it finds free (on CPU, most of the machine's: `ContinuousBatchingConfig.max_memory_percent`).
-Reported per mode: RSS after loading the model, peak RSS, the session's peak KV bytes (kvtopo),
-and the wall time. The JSON records the commit and any uncommitted change to the code it ran.
+Reported per mode: resident memory before serving (the model loaded), the most it reached while
+serving (sampled every 20 ms), the process's peak (`ru_maxrss`, loading included), the session's
+peak KV bytes (kvtopo), and the wall time. The JSON records the commit and any uncommitted change to the code it ran.
 
     python bench/served_memory.py [--model smollm2|zoo-llama] [--prompts 4] [--prompt-tokens 2048]
                                   [--modes kvtopo kvtopo-lossless engine] [--out bench/results/served_memory.json]
@@ -19,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +32,35 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("kvtopo", "kvtopo-lossless", "engine")
+
+
+def resident_mb() -> float:
+    """This process's resident memory now (Linux: /proc/self/statm)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+class PeakResident:
+    """The most resident memory sampled every `every` seconds while the `with` block runs: serving's
+    own peak (`ru_maxrss` is the process's, loading the model included)."""
+
+    def __init__(self, every: float = 0.02):
+        self.every, self.peak_mb, self._done = every, 0.0, threading.Event()
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            self.peak_mb = max(self.peak_mb, resident_mb())
+            self._done.wait(self.every)
+
+    def __enter__(self) -> "PeakResident":
+        self.peak_mb = resident_mb()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak_mb = max(self.peak_mb, resident_mb())
 
 
 def load(model_name: str, dtype: torch.dtype):
@@ -48,14 +80,13 @@ def serve(args) -> dict:
 
     torch.set_num_threads(args.threads)
     model = load(args.model, getattr(torch, args.dtype))
-    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, model.config.vocab_size, (args.prompt_tokens,), generator=g).tolist()
                for _ in range(args.prompts)]
     greedy = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
     engine = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens)
-    started, kv_peak = time.perf_counter(), None
-    with torch.no_grad():
+    before, started, kv_peak = resident_mb(), time.perf_counter(), None
+    with torch.no_grad(), PeakResident() as serving:
         if args.mode == "engine":
             out = model.generate_batch(prompts, generation_config=greedy, max_new_tokens=args.new_tokens,
                                        continuous_batching_config=engine, warmup=False)
@@ -68,7 +99,8 @@ def serve(args) -> dict:
                                     continuous_batching_config=engine)
             out, kv_peak = result.outputs, result.peak.total_bytes
     generated = sum(len(o.generated_tokens) for o in out.values())
-    return dict(mode=args.mode, rss_loaded_mb=loaded, peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    return dict(mode=args.mode, rss_before_mb=before, serving_peak_rss_mb=serving.peak_mb,
+                process_peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 kv_peak_mb=None if kv_peak is None else kv_peak / 2 ** 20, generated_tokens=generated,
                 seconds=time.perf_counter() - started)
 
@@ -108,7 +140,7 @@ def main(argv=None) -> dict:
         rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
         r = rows[-1]
         kv = "" if r["kv_peak_mb"] is None else f", session KV peak {r['kv_peak_mb']:.1f} MB"
-        print(f"  RSS after loading {r['rss_loaded_mb']:.0f} MB, peak {r['peak_rss_mb']:.0f} MB{kv}, "
+        print(f"  RSS before serving {r['rss_before_mb']:.0f} MB, while serving at most {r['serving_peak_rss_mb']:.0f} MB{kv}, "
               f"{r['generated_tokens']} tokens in {r['seconds']:.1f} s", flush=True)
     report = dict(meta=dict(command=" ".join(["bench/served_memory.py", *forwarded]), model=args.model,
                             dtype=args.dtype, prompts=args.prompts, prompt_tokens=args.prompt_tokens,

@@ -19,7 +19,7 @@ def test_each_mode_reports_its_own_process_and_bad_sizes_are_refused(tmp_path):
     assert [r["mode"] for r in report["rows"]] == ["kvtopo", "kvtopo-lossless"]
     for r in report["rows"]:
         assert r["generated_tokens"] == 6 and r["kv_peak_mb"] > 0
-        assert r["peak_rss_mb"] >= r["rss_loaded_mb"] > 0
+        assert r["serving_peak_rss_mb"] >= r["rss_before_mb"] > 0 and r["process_peak_rss_mb"] > 0
     assert report["meta"]["prompts"] == 2 and len(report["meta"]["commit"]) == 40
     bad = subprocess.run([sys.executable, str(SCRIPT), "--prompts", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--prompts" in bad.stderr
