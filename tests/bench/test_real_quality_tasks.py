@@ -176,18 +176,20 @@ def test_session_forward_gives_kvtopo_generate_tokens_in_one_chunk_or_two():
 def test_served_prompts_give_the_sessions_answers_and_only_one_turn_is_served(capsys):
     """`--engine continuous-batching`: a cell's prompts served together by transformers' engine
     (split into 16-token forwards) answer as one conversation at a time does, each cut at its own
-    limit and at an eos; the agnostic setting (two chunks, a second turn) is refused."""
+    limit and at an eos; the agnostic setting (two chunks, a second turn) is refused. (Served
+    uncompiled: a compiled model batches as the uncompiled one, tests/serving.)"""
     model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    served = zoo.build("llama")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 23, 57)]
     config = kvtopo.Config.lossless(prefill_chunk_size=16)
     alone = [real_quality.run_kvtopo(model, config, [[ids]], [limit], eos=[])[0][0]
              for ids, limit in zip(prompts, (12, 5, 9))]
-    answers, memory = real_quality.serve_kvtopo(model, config, prompts, [12, 5, 9], eos=[-1], batch_tokens=16)
+    answers, memory = real_quality.serve_kvtopo(served, config, prompts, [12, 5, 9], eos=[-1], batch_tokens=16)
     assert answers == alone and [len(a) for a in answers] == [12, 5, 9]
     assert memory["kept"] == 1.0 and memory["ratio"] > 0
     eos = alone[0][3]
-    cut = real_quality.serve_kvtopo(model, config, prompts[:1], [12], eos=[eos], batch_tokens=16)[0][0]
+    cut = real_quality.serve_kvtopo(served, config, prompts[:1], [12], eos=[eos], batch_tokens=16)[0][0]
     assert cut == alone[0][:alone[0].index(eos)]
     with pytest.raises(SystemExit):
         real_quality.parse_args(["--engine", "continuous-batching", "--settings", "agnostic"])
