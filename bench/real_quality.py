@@ -685,13 +685,14 @@ def main(argv=None) -> dict:
                     for e, answer in zip(cell, answers):
                         record("kvtopo", plan["policy"], plan["nominal"], "aware", e, [answer], [memory])
                     bar.update(len(cell))
-            for e in cell if args.engine == "session" else ():
-                for setting in args.settings:
-                    turns, max_new = conversation(e["segments"], setting)
-                    for plan in plans[length]:
-                        answers, memory = run_kvtopo(model, config_of(plan), turns, max_new, eos)
-                        record("kvtopo", plan["policy"], plan["nominal"], setting, e, answers, memory)
-                        bar.update(1)
+            else:
+                for e in cell:
+                    for setting in args.settings:
+                        turns, max_new = conversation(e["segments"], setting)
+                        for plan in plans[length]:
+                            answers, memory = run_kvtopo(model, config_of(plan), turns, max_new, eos)
+                            record("kvtopo", plan["policy"], plan["nominal"], setting, e, answers, memory)
+                            bar.update(1)
             examples += cell
             solved = _mean(r["correct"] for r in rows if r["task"] == task and r["length"] == length
                            and r["question"] == 0)
@@ -753,7 +754,8 @@ def main(argv=None) -> dict:
                            .items() if k in ("page_size", "sink_tokens", "recent_tokens", "observation_window",
                                              "prefill_chunk_size", "prompt_hold_tokens")},
                   seeds=[args.seed_offset, args.seed_offset + args.examples], examples=args.examples,
-                  engine=args.engine, settings=args.settings, policies=args.policies, ratios=args.ratios, presses=args.presses,
+                  engine=args.engine, settings=args.settings, policies=args.policies, ratios=args.ratios,
+                  presses=args.presses,
                   fidelity_lengths=args.fidelity_lengths, fidelity_texts=args.fidelity_texts,
                   cells=cells, lengths_measured=measured["accuracy"] if measured else None,
                   full_agreement_across_envs=[sum(agree), len(agree)] if agree else None,

@@ -106,10 +106,13 @@ def serve(args) -> dict:
 
 
 def code_state() -> dict:
+    """The commit the run's code is at, and the tracked files it had changed (a run of older code)."""
+
     def git(*argv):
         return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
-    return dict(commit=git("rev-parse", "HEAD"), uncommitted=git("status", "--porcelain", "--untracked-files=no").split("\n"))
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return dict(commit=git("rev-parse", "HEAD"), uncommitted=changed.split("\n") if changed else [])
 
 
 def main(argv=None) -> dict:
@@ -140,8 +143,8 @@ def main(argv=None) -> dict:
         rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
         r = rows[-1]
         kv = "" if r["kv_peak_mb"] is None else f", session KV peak {r['kv_peak_mb']:.1f} MB"
-        print(f"  RSS before serving {r['rss_before_mb']:.0f} MB, while serving at most {r['serving_peak_rss_mb']:.0f} MB{kv}, "
-              f"{r['generated_tokens']} tokens in {r['seconds']:.1f} s", flush=True)
+        print(f"  RSS before serving {r['rss_before_mb']:.0f} MB, while serving at most "
+              f"{r['serving_peak_rss_mb']:.0f} MB{kv}, {r['generated_tokens']} tokens in {r['seconds']:.1f} s", flush=True)
     report = dict(meta=dict(command=" ".join(["bench/served_memory.py", *forwarded]), model=args.model,
                             dtype=args.dtype, prompts=args.prompts, prompt_tokens=args.prompt_tokens,
                             new_tokens=args.new_tokens, max_batch_tokens=args.max_batch_tokens, threads=args.threads,

@@ -136,8 +136,8 @@ class SequenceKV(SequenceState):
     dropped: int = 0  # tokens of the leading pages released because they left the sliding window
     evicted: int = 0  # tokens of the pages in Mid that were not kept
     moves: Moves = field(default_factory=Moves)  # pending until the append ends
-    # (positions [m] int64, credit [Hkv, m] float32: `held_credit_nbytes`) that the chunks of a prompt whose pages wait gave its tokens
-    # (`Policy.held_credit`), for the ranking at the prompt's end
+    # (positions [m] int64, credit [Hkv, m] float32: `held_credit_nbytes`) that the chunks of a
+    # prompt whose pages wait gave its tokens (`Policy.held_credit`), for the ranking at its end
     held_credit: list = field(default_factory=list)
     page_bytes: PageBytes = field(default_factory=PageBytes)
 

@@ -444,7 +444,7 @@ class KvtopoPagedCache(PagedAttentionCache):
             out[at] = self.session.attend_sequences(
                 layer, [spans[i].seq for i in decodes], *(_rows(x, at) for x in (query, key, value)), scale,
                 softcap=softcap, sinks=sinks)[:, :, 0]
-        for i, (span, start) in enumerate(zip(spans, starts)):
+        for span, start in zip(spans, starts):
             if not span.decodes:
                 end = start + span.tokens
                 out[start:end] = self.session.attend_sequence(
