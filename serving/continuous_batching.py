@@ -18,7 +18,8 @@ and sampling) runs unchanged. kvtopo replaces two things through the engine's ow
   call per layer (one batched decode kernel), each prefill chunk on its own
   (`Session.attend_sequence`);
 * the cache: `KvtopoPagedCache`, a `PagedAttentionCache` whose `update` stores nothing (the new
-  keys/values go to attention as they are) and whose physical tensor is dropped (a meta tensor).
+  keys/values go to attention as they are) and whose physical tensor is never allocated (the
+  engine builds it on the meta device: `_EngineCacheOnMeta`).
   It admits requests by kvtopo's bytes when given a K/V byte budget (`kv_budget_bytes`, below);
   without one, by the engine's own block ledger of logical tokens (`num_blocks`). The cache
   records, in the order the engine packs them, which request each span of the next forward
