@@ -49,8 +49,9 @@ Engines. kvtopo's cells run one conversation at a time through a session (``--en
 the default), or, query-aware only, as a server would run them (``--engine continuous-batching``):
 a cell's prompts are served together by transformers' continuous batching with kvtopo's store as
 its KV cache (``serving/continuous_batching.py``), the engine splitting them into forwards of
-``--prefill-chunk`` tokens shared between requests; ``ratio`` and ``kept`` are then the session's
-when it held the most bytes, several requests at once, some still reading their prompts.
+``--prefill-chunk`` tokens shared between requests; ``ratio`` and ``kept`` are each request's when it
+finished (``BatchResult.request_stats``), and ``session_peak_ratio`` the whole session's when it held
+the most bytes, several requests at once, some still reading their prompts.
 
 Policies and ratios: kvtopo's ``full``, ``topo``, ``snapkv``, ``h2o``, ``knorm``, ``streaming``,
 ``kivi``, ``palu`` at nominal 2 / 4 / 8 / 16x, each nominal ratio mapped to a Config exactly as
@@ -290,11 +291,12 @@ def run_kvtopo(model, config, turns, max_new, eos) -> tuple[list[list[int]], lis
     return answers, memory
 
 
-def serve_kvtopo(model, config, prompts, max_new, eos, batch_tokens) -> tuple[list[list[int]], dict]:
+def serve_kvtopo(model, config, prompts, max_new, eos, batch_tokens) -> tuple[list[list[int]], list[dict]]:
     """Greedy answers of one-turn prompts served together by transformers' continuous batching
     with the session as its KV cache (serving/continuous_batching.py; the engine splits prompts
-    into forwards of at most `batch_tokens` tokens, mixing requests), and the session's stats when
-    it held the most bytes: several requests at once, some still reading their prompts."""
+    into forwards of at most `batch_tokens` tokens, mixing requests), and per answer what its
+    request held when it finished (as `run_kvtopo` measures after an answer), beside the session's
+    ratio when it held the most bytes (several requests at once, some still reading their prompts)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -304,14 +306,14 @@ def serve_kvtopo(model, config, prompts, max_new, eos, batch_tokens) -> tuple[li
     with torch.no_grad():
         result = generate_batch(model, prompts, config, max_new_tokens=max(max_new), generation_config=greedy,
                                 continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=batch_tokens))
-    answers = []
-    for output, limit in zip(result.outputs.values(), max_new):
+    answers, memory = [], []
+    for (rid, output), limit in zip(result.outputs.items(), max_new):
         tokens = list(output.generated_tokens[:limit])
         answers.append(tokens[:next((i for i, t in enumerate(tokens) if t in eos), len(tokens))])
-    peak = result.peak
-    held = sum(n for per_sequence in peak.held_tokens.values() for n in per_sequence)
-    memory = dict(ratio=peak.ratio_vs_fp16, kept=held / (len(peak.held_tokens) * sum(peak.tokens)),
-                  budget_missed=float(peak.budget_missed), total_bytes=peak.total_bytes, fp16_bytes=peak.fp16_bytes)
+        held = result.request_stats[rid]
+        memory.append(dict(ratio=held.ratio_vs_fp16, kept=sum(held.held_tokens) / (len(held.held_tokens) * held.tokens),
+                           budget_missed=float(result.peak.budget_missed), total_bytes=held.total_bytes,
+                           fp16_bytes=held.fp16_bytes, session_peak_ratio=result.peak.ratio_vs_fp16))
     return answers, memory
 
 
@@ -560,7 +562,7 @@ def parse_args(argv):
                    help="how kvtopo's cells run: 'session' (default), one conversation at a time through a kvtopo "
                         "session; 'continuous-batching', a cell's prompts served together by transformers' continuous "
                         "batching with kvtopo's store as its cache, --prefill-chunk tokens per forward (query-aware "
-                        "only; ratio and kept are the session's at its peak, several requests at once)")
+                        "only)")
     p.add_argument("--prompt-hold-tokens", type=int, default=kvtopo.Config().prompt_hold_tokens,
                    help="tokens a chunked prompt's pages may wait in Recent for its end (default %(default)s, the "
                         "Config's; 0: each page moves when its chunk pushes it out of Recent)")
@@ -682,8 +684,8 @@ def main(argv=None) -> dict:
                 for plan in plans[length]:
                     answers, memory = serve_kvtopo(model, config_of(plan), [turns[0][0] for turns, _ in asked],
                                                    [max_new[0] for _, max_new in asked], eos, args.prefill_chunk)
-                    for e, answer in zip(cell, answers):
-                        record("kvtopo", plan["policy"], plan["nominal"], "aware", e, [answer], [memory])
+                    for e, answer, held in zip(cell, answers, memory):
+                        record("kvtopo", plan["policy"], plan["nominal"], "aware", e, [answer], [held])
                     bar.update(len(cell))
             else:
                 for e in cell:

@@ -53,6 +53,22 @@ class CacheStats:
         return self.fp16_bytes / self.total_bytes if self.total_bytes else float("inf")
 
 
+@dataclass(frozen=True)
+class SequenceStats:
+    """What one sequence holds over every layer -- its pages, codes and metadata (the pools' free
+    slots are shared: only `Session.stats` counts them) -- against an fp16 cache of its tokens,
+    and the tokens it still holds in each layer (`CacheStats.held_tokens`)."""
+
+    total_bytes: int
+    fp16_bytes: int
+    tokens: int
+    held_tokens: tuple[int, ...]
+
+    @property
+    def ratio_vs_fp16(self) -> float:
+        return self.fp16_bytes / self.total_bytes if self.total_bytes else float("inf")
+
+
 class Session:
     def __init__(self, config: Config | None = None):
         self.config = config if config is not None else Config()
@@ -372,15 +388,32 @@ class Session:
                 per_kind[kind] = per_kind.get(kind, 0) + n
             held[name] = tuple(cache.held_tokens(seq) for seq in self._sequence_ids(cache))
             if cache.pool is not None:
-                heads, kd, vd = cache.pool.keys.shape[1], cache.pool.keys.shape[-1], cache.pool.values.shape[-1]
-                # An fp16 cache of a windowed layer holds only its window too (what HF keeps).
-                stored = sum(cache.length(seq) - cache.first_held(seq) for seq in cache.sequence_ids())
-                fp16 += stored * heads * (kd + vd) * 2
+                fp16 += sum(self._fp16_nbytes(cache, seq) for seq in cache.sequence_ids())
             missed |= any(cache.over_budget(seq) for seq in cache.sequence_ids())
         if self.layers:
             first = next(iter(self.layers.values()))
             tokens = [first.length(s) for s in self._sequence_ids(first)]
         return CacheStats(sum(per_layer.values()), per_layer, per_kind, tuple(tokens), fp16, missed, held)
+
+    def sequence_stats(self, seq: int) -> SequenceStats:
+        """What sequence `seq` holds now over every layer (a server reads it before releasing a
+        request), against an fp16 cache of its tokens."""
+        total = fp16 = tokens = 0
+        held = []
+        for cache in self.layers.values():
+            entry = cache.stored_state(seq)
+            if entry is not None and cache.pool is not None:
+                total += cache.sequence_nbytes(entry)
+                fp16 += self._fp16_nbytes(cache, seq)
+                tokens = cache.length(seq)
+                held.append(cache.held_tokens(seq))
+        return SequenceStats(total, fp16, tokens, tuple(held))
+
+    @staticmethod
+    def _fp16_nbytes(cache: LayerCache, seq: int) -> int:
+        """An fp16 cache's bytes for `seq` in this layer: a windowed layer's holds only its window
+        too (what HF keeps)."""
+        return (cache.length(seq) - cache.first_held(seq)) * cache.fp16_token_bytes()
 
     def _sequence_ids(self, cache: LayerCache):
         """The sequences stats() reports: batch rows 0..B-1, or (sequences added through

@@ -95,7 +95,7 @@ from __future__ import annotations
 import functools
 import threading
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import transformers
@@ -114,7 +114,7 @@ from kvtopo.runtime.layer_cache import held_credit_nbytes
 from kvtopo.runtime.lifecycle import observed_positions
 from kvtopo.runtime.page_pool import growth_step
 from kvtopo.runtime.phases import Phase, PhasePlan
-from kvtopo.runtime.session import CacheStats, Session
+from kvtopo.runtime.session import CacheStats, SequenceStats, Session
 
 __all__ = ["ATTN_IMPLEMENTATION", "BatchResult", "KvtopoBatchingManager", "KvtopoPagedCache", "TRANSFORMERS_VERSION",
            "generate_batch", "ledger_blocks", "page_ownership_errors"]
@@ -308,6 +308,8 @@ class KvtopoPagedCache(PagedAttentionCache):
         self._recorded: list[tuple[str, int, int]] = []  # what the engine packed for the next forward
         self._spans: list[_Span] = []  # the forward running now
         self.peak: CacheStats | None = None  # session stats when it held the most bytes (checked per forward)
+        # request id -> what its sequence held when the engine last freed it (finished, cancelled, evicted)
+        self.request_stats: dict[str, SequenceStats] = {}
         self._lock = threading.Lock()
 
     def _drop_physical_cache(self) -> None:
@@ -461,6 +463,7 @@ class KvtopoPagedCache(PagedAttentionCache):
             seq = self.sequence_of.pop(request_id, None)
             if seq is not None:
                 self._note_peak()
+                self.request_stats[request_id] = self.session.sequence_stats(seq)
                 self.session.release(seq)
                 self._held = None
 
@@ -571,10 +574,12 @@ def replace_generation_config(generation_config: GenerationConfig, **changes) ->
 @dataclass(frozen=True)
 class BatchResult:
     """What `generate_batch` returns: the engine's outputs (request id -> GenerationOutput, in the
-    order of the inputs) and the session's stats when it held the most bytes."""
+    order of the inputs), the session's stats when it held the most bytes, and what each request's
+    sequence held when it finished."""
 
     outputs: dict[str, GenerationOutput]
     peak: CacheStats | None
+    request_stats: dict[str, SequenceStats] = field(default_factory=dict)
 
 
 def generate_batch(model, inputs: list[list[int]], config: Config | None = None, *, max_new_tokens: int | None = None,
@@ -620,7 +625,7 @@ def generate_batch(model, inputs: list[list[int]], config: Config | None = None,
     if failed or len(outputs) != len(inputs):
         raise RuntimeError(f"kvtopo continuous batching: {len(outputs)} of {len(inputs)} requests returned; "
                            f"failed: {failed}")
-    return BatchResult(outputs, manager.kv_cache.peak)
+    return BatchResult(outputs, manager.kv_cache.peak, dict(manager.kv_cache.request_stats))
 
 
 def ledger_blocks(request_tokens: list[int], page_size: int) -> int:

@@ -187,7 +187,8 @@ def test_served_prompts_give_the_sessions_answers_and_only_one_turn_is_served(ca
              for ids, limit in zip(prompts, (12, 5, 9))]
     answers, memory = real_quality.serve_kvtopo(served, config, prompts, [12, 5, 9], eos=[-1], batch_tokens=16)
     assert answers == alone and [len(a) for a in answers] == [12, 5, 9]
-    assert memory["kept"] == 1.0 and memory["ratio"] > 0
+    assert [m["kept"] for m in memory] == [1.0] * 3 and all(m["ratio"] > 0 for m in memory)
+    assert memory[0]["fp16_bytes"] < memory[2]["fp16_bytes"]  # each request's own: 40 + 11 against 57 + 8 tokens
     eos = alone[0][3]
     cut = real_quality.serve_kvtopo(served, config, prompts[:1], [12], eos=[eos], batch_tokens=16)[0][0]
     assert cut == alone[0][:alone[0].index(eos)]

@@ -55,6 +55,28 @@ def test_the_engines_own_cache_tensor_is_never_allocated(monkeypatch):
     assert made and all(device == "meta" for _, device in made) and max(n for n, _ in made) > 2 ** 20
 
 
+def test_each_request_reports_what_its_sequence_held_when_it_finished():
+    """`BatchResult.request_stats`: each request's own bytes over every layer, measured before its
+    pages are released, against an fp16 cache of the tokens it stored (its prompt and all but the
+    last generated token, which is never fed back)."""
+    model = zoo.build("llama")
+    c = model.config
+    fp16_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 2
+    prompts = _prompts([300, 420])
+    lossless = generate_batch(model, prompts, Config.lossless(), max_new_tokens=6, generation_config=GREEDY)
+    compressed = generate_batch(model, prompts, Config(), max_new_tokens=6, generation_config=GREEDY)
+    for result in (lossless, compressed):
+        assert [b.fp16_bytes for b in result.request_stats.values()] == [(n + 5) * fp16_per_token for n in (300, 420)]
+    # Both finish on the same step, so the lossless peak (before the first release) holds both whole.
+    assert sum(b.total_bytes for b in lossless.request_stats.values()) == \
+        lossless.peak.total_bytes - lossless.peak.per_kind["free"]
+    for rid, held in compressed.request_stats.items():
+        assert held.total_bytes < lossless.request_stats[rid].total_bytes
+    assert compressed.request_stats["req_1"].ratio_vs_fp16 > 1 > lossless.request_stats["req_1"].ratio_vs_fp16
+    assert lossless.request_stats["req_1"].held_tokens == (425,) * c.num_hidden_layers
+    assert compressed.request_stats["req_1"].tokens == 425 > min(compressed.request_stats["req_1"].held_tokens)
+
+
 def test_lossless_tokens_equal_the_engines_own_paged_cache(monkeypatch):
     """Same tokens as the engine's own cache; every forward attends its decode steps in one
     `attend_sequences` call per layer, and no single-token span alone."""
