@@ -290,7 +290,8 @@ class _EngineCacheOnMeta(TorchFunctionMode):
 class KvtopoPagedCache(PagedAttentionCache):
     """The engine's paged cache with kvtopo's session as the store (see the module docstring)."""
 
-    def __init__(self, *args, session: Session, budget_bytes: int | None = None, **kwargs):
+    def __init__(self, *args, session: Session, budget_bytes: int | None = None, record_request_stats: bool = False,
+                 **kwargs):
         with _EngineCacheOnMeta():
             super().__init__(*args, **kwargs)
         self.session = session
@@ -308,8 +309,9 @@ class KvtopoPagedCache(PagedAttentionCache):
         self._recorded: list[tuple[str, int, int]] = []  # what the engine packed for the next forward
         self._spans: list[_Span] = []  # the forward running now
         self.peak: CacheStats | None = None  # session stats when it held the most bytes (checked per forward)
-        # request id -> what its sequence held when the engine last freed it (finished, cancelled, evicted)
-        self.request_stats: dict[str, SequenceStats] = {}
+        # request id -> what its sequence held when the engine last freed it (finished, cancelled,
+        # evicted); kept only when asked (`generate_batch`): a long-running server would grow it forever
+        self.request_stats: dict[str, SequenceStats] | None = {} if record_request_stats else None
         self._lock = threading.Lock()
 
     def _drop_physical_cache(self) -> None:
@@ -463,7 +465,8 @@ class KvtopoPagedCache(PagedAttentionCache):
             seq = self.sequence_of.pop(request_id, None)
             if seq is not None:
                 self._note_peak()
-                self.request_stats[request_id] = self.session.sequence_stats(seq)
+                if self.request_stats is not None:
+                    self.request_stats[request_id] = self.session.sequence_stats(seq)
                 self.session.release(seq)
                 self._held = None
 
@@ -510,11 +513,14 @@ class KvtopoBatchingManager(continuous_api.ContinuousBatchingManager):
     Use it as the engine's manager (`add_request`, `get_result`, `start`, `stop`, ...), or through
     `generate_batch`. The session must be active (`with session:`) while the manager runs.
     `kv_budget_bytes`: admit requests by the session's bytes (module docstring); the engine's
-    `num_blocks` must then be set, to a ledger of logical tokens large enough not to bind."""
+    `num_blocks` must then be set, to a ledger of logical tokens large enough not to bind.
+    `record_request_stats`: keep what each request's sequence held when it was freed
+    (`kv_cache.request_stats`)."""
 
     def __init__(self, model, session: Session, generation_config: GenerationConfig | None = None,
                  continuous_batching_config: ContinuousBatchingConfig | None = None,
-                 workload_hints: WorkloadHints | None = None, *, kv_budget_bytes: int | None = None):
+                 workload_hints: WorkloadHints | None = None, *, kv_budget_bytes: int | None = None,
+                 record_request_stats: bool = False):
         check_transformers_version()
         if not isinstance(session, Session):
             raise TypeError(f"session must be a kvtopo Session, got {type(session).__name__}")
@@ -542,6 +548,7 @@ class KvtopoBatchingManager(continuous_api.ContinuousBatchingManager):
         AttentionInterface.register(ATTN_IMPLEMENTATION, kvtopo_paged_attention)
         self.session = session
         self.kv_budget_bytes = kv_budget_bytes
+        self.record_request_stats = record_request_stats
         self.kv_cache: KvtopoPagedCache | None = None
         super().__init__(model, generation_config, engine_config(continuous_batching_config), workload_hints)
 
@@ -553,8 +560,8 @@ class KvtopoBatchingManager(continuous_api.ContinuousBatchingManager):
             self._original_attn_impl = original
 
     def _create_batch_processor(self):
-        with _engine_builds(functools.partial(KvtopoPagedCache, session=self.session,
-                                              budget_bytes=self.kv_budget_bytes)):
+        with _engine_builds(functools.partial(KvtopoPagedCache, session=self.session, budget_bytes=self.kv_budget_bytes,
+                                              record_request_stats=self.record_request_stats)):
             processor = super()._create_batch_processor()
         if not isinstance(processor.cache, KvtopoPagedCache):
             raise RuntimeError("transformers built its own paged cache instead of kvtopo's: this transformers build "
@@ -609,7 +616,7 @@ def generate_batch(model, inputs: list[list[int]], config: Config | None = None,
             cb = replace(cb, num_blocks=ledger_blocks([len(ids) + (new_tokens or 0) for ids in inputs], cb.page_size))
         continuous_batching_config = cb
     manager = KvtopoBatchingManager(model, session, gen, continuous_batching_config, hints,
-                                    kv_budget_bytes=kv_budget_bytes)
+                                    kv_budget_bytes=kv_budget_bytes, record_request_stats=True)
     # transformers' entry point reuses a manager cached on the model: generate_batch then runs ours.
     model._cached_continuous_batching_manager = manager
     try:

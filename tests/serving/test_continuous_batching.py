@@ -239,6 +239,7 @@ def test_byte_budget_admits_more_requests_than_the_engines_own_cache():
             runs[name] = _run_stream(manager, prompts, new_tokens, session, budget)
         assert manager.kv_cache.budget_misses == 0
         assert manager.kv_cache.peak.total_bytes <= budget
+        assert manager.kv_cache.request_stats is None  # not asked for: a server keeps nothing per finished request
     assert runs["lossless"][1] == own
     assert own_peak == 2
     assert runs["topo"][0] > own_peak, (runs["topo"][0], own_peak)
