@@ -64,9 +64,7 @@ class SequenceStats:
     tokens: int
     held_tokens: tuple[int, ...]
 
-    @property
-    def ratio_vs_fp16(self) -> float:
-        return self.fp16_bytes / self.total_bytes if self.total_bytes else float("inf")
+    ratio_vs_fp16 = CacheStats.ratio_vs_fp16
 
 
 class Session:
