@@ -18,9 +18,10 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/python examples/demo.py
 
-# Two workers, whole test files each (module fixtures, e.g. a loaded model, are built once).
+# Two workers, whole test files each (module fixtures, e.g. a loaded model, are built once); the
+# slowest tests are listed at the end, to keep the suite near its ~15-minute budget.
 test: setup
-	$(BIN)/pytest -n 2 --dist loadfile
+	$(BIN)/pytest -n 2 --dist loadfile --durations=25
 
 # Every benchmark in bench/, each writing its JSON (and PNG) to bench/results/. Long: see README.
 bench: setup
