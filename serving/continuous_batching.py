@@ -384,8 +384,11 @@ class KvtopoPagedCache(PagedAttentionCache):
                               _prompt_length(state), promised)
 
     # -- the forward ---------------------------------------------------------------------------------
+    @torch.compiler.disable(reason="kvtopo continuous batching's per-forward bookkeeping is host code")
     def update(self, key_states, value_states, layer_idx, kwargs):
-        """Store nothing: hand the new keys/values and this cache to the kvtopo attention function."""
+        """Store nothing: hand the new keys/values and this cache to the kvtopo attention function.
+        Never traced: a compiled model's Dynamo would otherwise trace this bookkeeping (the engine's
+        recorded spans, the session's pages) and recompile on guards of it at every forward."""
         if self._recorded:  # the first layer of a forward: take the batch the engine packed for it
             self._start_forward()
         kwargs[_BATCH_KWARG] = self

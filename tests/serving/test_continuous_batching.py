@@ -10,6 +10,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 import kvtopo
 from kvtopo.config import Config
 from kvtopo.models import zoo
+from kvtopo.runtime.layer_cache import SequenceKV
 from kvtopo.runtime.session import Session
 from kvtopo.serving import continuous_batching
 from kvtopo.serving.continuous_batching import (ATTN_IMPLEMENTATION, KvtopoBatchingManager, generate_batch,
@@ -125,17 +126,23 @@ def test_lossless_tokens_equal_the_engines_own_paged_cache(monkeypatch):
 
 
 def test_a_compiled_model_batches_as_the_uncompiled_one():
-    """A `kvtopo.compile`d model in continuous batching: its graphs break around the attention
-    function, which attends over the store as it is (before, Dynamo traced into it and failed on a
-    guard of its own making)."""
+    """A `kvtopo.compile`d model in continuous batching: its graphs break around the cache's update
+    and the attention function, which run as they are (before, Dynamo traced into the attention and
+    failed on a guard of its own making, and traced the update's bookkeeping down to the session's
+    pages, recompiling on guards of it)."""
     model = zoo.build("llama")
     prompts = _prompts((20, 37))
     plain = generate_batch(model, prompts, Config.lossless(), max_new_tokens=5, generation_config=GREEDY)
+    torch._dynamo.reset()
     kvtopo.compile(model, inductor=False)
     compiled = generate_batch(model, prompts, Config.lossless(), max_new_tokens=5, generation_config=GREEDY)
     assert [out.generated_tokens for out in compiled.outputs.values()] == \
         [out.generated_tokens for out in plain.outputs.values()]
     assert all(len(out.generated_tokens) == 5 for out in compiled.outputs.values())
+    cache = continuous_batching.KvtopoPagedCache
+    host_code = [getattr(cache.update, "__wrapped__", cache.update), cache._start_forward, SequenceKV.block_table.fget]
+    traced = [f.__qualname__ for f in host_code if torch._C._dynamo.eval_frame._debug_get_cache_entry_list(f.__code__)]
+    assert not traced, f"Dynamo compiled kvtopo's host bookkeeping: {traced}"
 
 
 def test_default_compressed_config_holds_fewer_bytes_and_generates():
