@@ -384,13 +384,12 @@ class KvtopoPagedCache(PagedAttentionCache):
                               _prompt_length(state), promised)
 
     # -- the forward ---------------------------------------------------------------------------------
-    @torch.compiler.disable(reason="kvtopo continuous batching's per-forward bookkeeping is host code")
     def update(self, key_states, value_states, layer_idx, kwargs):
-        """Store nothing: hand the new keys/values and this cache to the kvtopo attention function.
-        Never traced: a compiled model's Dynamo would otherwise trace this bookkeeping (the engine's
-        recorded spans, the session's pages) and recompile on guards of it at every forward."""
-        if self._recorded:  # the first layer of a forward: take the batch the engine packed for it
-            self._start_forward()
+        """Store nothing: hand the new keys/values and this cache to the kvtopo attention function,
+        which does all the bookkeeping (host code, never traced). Nothing here reads the layer or
+        the cache's state, so a compiled model's Dynamo traces it without guards on either: before,
+        it traced the bookkeeping down to the session's pages, and compiled each layer's attention
+        frame for its layer index, past its recompile limit."""
         kwargs[_BATCH_KWARG] = self
         return key_states, value_states
 
@@ -428,6 +427,8 @@ class KvtopoPagedCache(PagedAttentionCache):
         if layer_idx is None:
             raise RuntimeError(f"{type(module).__name__} has no layer_idx: kvtopo cannot tell its layers apart")
         layer = str(layer_idx)
+        if self._recorded:  # the first layer of a forward: take the batch the engine packed for it
+            self._start_forward()
         spans, total = self._spans, sum(span.tokens for span in self._spans)
         if query.shape[0] != 1 or total > query.shape[2]:
             raise RuntimeError(f"kvtopo continuous batching: the forward's query {tuple(query.shape)} does not hold the "
