@@ -179,9 +179,10 @@ class _Growth:
         self.new_sequence_nbytes = q_heads * window * head_dim * 2 if self.mid.evict else 0  # float16 queries
         # Per Mid epoch, keys and values: float16 directions of rank <= head_dim, float32 means.
         self.bases_nbytes = 2 * kv_heads * head_dim * (head_dim * 2 + 4) if self.mid.project else 0
-        # Per token of a chunk with more of its prompt to come: the credit a policy may keep for its
-        # ranking at the prompt's end (`Policy.held_credit`).
-        self.held_credit_nbytes = held_credit_nbytes(kv_heads) if self.mid.evict else 0
+        # Per token of a chunk with more of its prompt to come: the credit the policy keeps for its
+        # ranking at the prompt's end (`Policy.held_credit`; topo's successor shares).
+        keeps = self.mid.evict and session.policy.keeps_held_credit
+        self.held_credit_nbytes = held_credit_nbytes(kv_heads) if keeps else 0
 
     def exact_pages(self, pages: int) -> int:
         """Pages the lifecycle holds in exact pool slots when a sequence has `pages` pages."""

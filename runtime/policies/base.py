@@ -93,6 +93,12 @@ class Policy:
         comes back to `score` as `ScoreInputs.held_credit`. Default: none."""
         return None
 
+    @property
+    def keeps_held_credit(self) -> bool:
+        """Whether this policy gives a waiting chunk's tokens credit to keep (`held_credit`
+        overridden): bytes a byte budget must leave room for while a prompt's pages wait."""
+        return type(self).held_credit is not Policy.held_credit
+
     def across_heads(self, scores: torch.Tensor) -> torch.Tensor:
         """Scores [Hkv, ...] of the tokens ranked together, made comparable between kv-heads:
         the joint eviction plan sets a page's kept count by the heads' best score at each rank.

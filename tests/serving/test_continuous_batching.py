@@ -371,6 +371,22 @@ def test_a_decode_that_opens_a_page_is_charged_one_page_not_a_growth_step():
         assert growth.of(0, length, 1, 0, {}) == (2 * (page + 4), {"0": 1, "1": 1})  # + its block-table entry
 
 
+@pytest.mark.parametrize("policy,keeps", [("topo", True), ("snapkv", False)])
+def test_a_waiting_chunk_is_charged_the_credit_its_policy_keeps(policy, keeps):
+    """A chunk with more of its prompt to come is charged, per token and layer, the credit its
+    policy keeps for the ranking at the prompt's end (topo's successor shares); a policy that keeps
+    none (SnapKV) is charged none (before, every evicting policy was)."""
+    from kvtopo.runtime.layer_cache import held_credit_nbytes
+
+    model_config = zoo.build("llama").config  # 2 layers, 2 kv-heads
+    session = Session(Config(policy=policy, target_ratio=4))
+    assert session.policy.keeps_held_credit is keeps
+    growth = continuous_batching._Growth(session, model_config, torch.float32)
+    waiting, last = growth.of(None, 0, 64, 256, {}), growth.of(None, 0, 64, 64, {})
+    assert waiting[1] == last[1]
+    assert waiting[0] - last[0] == (2 * 64 * held_credit_nbytes(2) if keeps else 0)
+
+
 def test_a_session_already_holding_sequences_is_refused():
     """Requests are numbered from 0 and released in every layer when they end: in a session that
     holds a conversation, the first finished request wiped that conversation's row 0."""
