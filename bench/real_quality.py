@@ -276,16 +276,21 @@ def config_of(plan: dict) -> kvtopo.Config:
     return quality.base_config(policy=plan["policy"], **plan["overrides"])
 
 
+def memory_row(stats, held: list[int], tokens: int, budget_missed: bool) -> dict:
+    """What a kvtopo run records after an answer: the achieved ratio vs fp16 and bytes of `stats`
+    (a session's or one sequence's), the share of its `tokens` kept over the layers (`held` per
+    layer), and whether a budget was missed."""
+    return dict(ratio=stats.ratio_vs_fp16, kept=sum(held) / (len(held) * tokens), budget_missed=float(budget_missed),
+                total_bytes=stats.total_bytes, fp16_bytes=stats.fp16_bytes)
+
+
 def run_kvtopo(model, config, turns, max_new, eos) -> tuple[list[list[int]], list[dict]]:
     """Answers and, after each, the session's achieved ratio / kept share / budget state."""
     memory = []
     with kvtopo.session(config) as s, torch.no_grad():
         def measure(_):
             st = s.stats()
-            held = [h[0] for h in st.held_tokens.values()]
-            memory.append(dict(ratio=st.ratio_vs_fp16, kept=sum(held) / (len(held) * st.tokens[0]),
-                               budget_missed=float(st.budget_missed), total_bytes=st.total_bytes,
-                               fp16_bytes=st.fp16_bytes))
+            memory.append(memory_row(st, [h[0] for h in st.held_tokens.values()], st.tokens[0], st.budget_missed))
 
         answers = converse(SessionForward(model, s), turns, max_new, eos, measure)
     return answers, memory
@@ -311,9 +316,8 @@ def serve_kvtopo(model, config, prompts, max_new, eos, batch_tokens) -> tuple[li
         tokens = list(output.generated_tokens[:limit])
         answers.append(tokens[:next((i for i, t in enumerate(tokens) if t in eos), len(tokens))])
         held = result.request_stats[rid]
-        memory.append(dict(ratio=held.ratio_vs_fp16, kept=sum(held.held_tokens) / (len(held.held_tokens) * held.tokens),
-                           budget_missed=float(result.peak.budget_missed), total_bytes=held.total_bytes,
-                           fp16_bytes=held.fp16_bytes, session_peak_ratio=result.peak.ratio_vs_fp16))
+        memory.append(memory_row(held, list(held.held_tokens), held.tokens, result.peak.budget_missed)
+                      | dict(session_peak_ratio=result.peak.ratio_vs_fp16))
     return answers, memory
 
 
