@@ -16,7 +16,9 @@ segments gathered once: only the kernel differs). Codes are warm (read by the pr
 Both builds' outputs are checked against each other and the float64 reference first.
 
 Reports per config the minimum and the median of every round's minimum per build and the ratio
-candidate / base (below 1: the candidate is faster). Writes bench/results/kernel_ab.json.
+candidate / base (below 1: the candidate is faster). A working-tree build is recorded with its
+source's diff against HEAD (`diff_from_head`), so a change timed and never committed (one tried
+and dropped) can be applied again (`git apply`) and timed again. Writes bench/results/kernel_ab.json.
 """
 
 from __future__ import annotations
@@ -61,14 +63,17 @@ def git(*args: str) -> bytes:
 def source_at(revision: str, into: Path) -> tuple[Path, dict]:
     """The kernel source at a git revision (or the working tree's), written into `into`, and what
     identifies it: the commit and a short hash of the text."""
+    changes = {}
     if revision == WORKTREE:
         text, commit = cpu_decode.SOURCE.read_bytes(), WORKTREE
+        changes = {"head": git("rev-parse", "--short", "HEAD").decode().strip(),
+                   "diff_from_head": git("diff", "HEAD", "--", str(SOURCE)).decode()}
     else:
         text, commit = git("show", f"{revision}:{SOURCE}"), git("rev-parse", "--short", revision).decode().strip()
     digest = hashlib.sha256(text).hexdigest()[:10]
     path = into / f"mid_decode_{digest}.cpp"
     path.write_bytes(text)
-    return path, {"revision": revision, "commit": commit, "source_sha256": digest}
+    return path, {"revision": revision, "commit": commit, "source_sha256": digest, **changes}
 
 
 def main() -> None:

@@ -30,6 +30,9 @@ def test_both_builds_are_timed_and_checked(tmp_path, layer, heads):
     result = json.loads(out.read_text())
     assert (result["layer"]["q_heads"], result["layer"]["kv_heads"], result["layer"]["head_dim"]) == heads
     assert result["builds"]["base"]["revision"] == "HEAD" and result["builds"]["candidate"]["commit"] == "WORKTREE"
+    source_diff = subprocess.run(["git", "diff", "HEAD", "--", "kernels/csrc/mid_decode.cpp"], capture_output=True,
+                                 text=True, cwd=ROOT).stdout
+    assert result["builds"]["candidate"]["diff_from_head"] == source_diff  # an uncommitted candidate can be rebuilt
     row = result["configs"]["8x"]
     assert set(row["rel_err_vs_float64"]) == {"base", "candidate"}
     assert all(err < 1e-4 for err in row["rel_err_vs_float64"].values())
