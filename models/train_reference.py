@@ -9,7 +9,7 @@ Continue training a checkpoint (fresh optimizer, warm-up again) with ``--init-fr
 
 Evaluate the shipped model (full HF cache, greedy ``generate``)::
 
-    python -m kvtopo.models.train_reference --eval-only [--n-eval 100]
+    python -m kvtopo.models.train_reference --eval-only [--n-eval 100] [--results FILE.json]
 
 What it does
 ------------
@@ -389,6 +389,7 @@ def parse_args(argv=None):
     p.add_argument("--n-eval", type=int, default=16)
     p.add_argument("--eval-only", action="store_true", help="evaluate the model in --out (greedy generate)")
     p.add_argument("--eval-lengths", default="512,1024,2048")
+    p.add_argument("--results", default=None, help="with --eval-only: also write the results to this JSON file")
     p.add_argument("--stages", default=None, help="JSON list of [time_frac, [lengths], [weights]] overriding STAGES")
     p.add_argument("--bench", action="store_true", help="measure training throughput and exit")
     return p.parse_args(argv)
@@ -410,6 +411,9 @@ def run_eval_only(args):
     results["heldout_tokens"] = ntok
     log(f"held-out per-char perplexity {ppl:.3f} over {ntok} tokens ({math.log2(ppl):.3f} bits/char)")
     print(json.dumps(results, indent=2))
+    if args.results:
+        with open(args.results, "w") as f:
+            json.dump(results, f, indent=2)
     return results
 
 
