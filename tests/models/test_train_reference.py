@@ -1,5 +1,6 @@
 """The training script's data stream and checkpoint loading (not training itself: too slow here)."""
 
+import json
 import random
 
 import pytest
@@ -32,3 +33,13 @@ def test_worker_processes_build_the_same_batches_as_inline():
 def test_init_from_refuses_weights_of_another_architecture(tmp_path):
     with pytest.raises(SystemExit, match="do not fit this architecture"):
         TR.main(["--init-from", TR.R.REFERENCE_DIR, "--hidden", "64", "--out", str(tmp_path), "--minutes", "0.01"])
+
+
+def test_eval_only_writes_what_it_prints(tmp_path):
+    out = tmp_path / "eval.json"
+    results = TR.main(["--eval-only", "--out", TR.R.REFERENCE_DIR, "--n-eval", "2", "--eval-lengths", "512",
+                       "--results", str(out)])
+    assert json.loads(out.read_text()) == results
+    assert set(results["accuracy"]) == {f"{task}@512" for task in TR.T.TASKS}
+    assert all(0 <= acc <= 1 for acc in results["accuracy"].values())
+    assert results["heldout_tokens"] > 0 and results["heldout_ppl"] > 1
