@@ -368,8 +368,8 @@ def batch_main(args) -> None:
                 if isinstance(entry, dict) and "flops" in entry and "min_ms" in entry:
                     entry["floor_ms"] = {"bandwidth": entry["bytes"] / row["read"]["GBps_at_min"] / 1e6,
                                          "arithmetic": entry["flops"] / sgemm_flops_per_ms}
-                    entry["min_over_floor"] = entry["min_ms"] / max(entry["floor_ms"].values())
                     entry["min_over_each_floor"] = {k: entry["min_ms"] / v for k, v in entry["floor_ms"].items()}
+                    entry["min_over_floor"] = min(entry["min_over_each_floor"].values())  # over the larger floor
             row["load_after"] = os.getloadavg()
             rows.append(row)
             print(format_batch_row(row, names), flush=True)

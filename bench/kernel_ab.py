@@ -62,7 +62,8 @@ def git(*args: str) -> bytes:
 
 def source_at(revision: str, into: Path) -> tuple[Path, dict]:
     """The kernel source at a git revision (or the working tree's), written into `into`, and what
-    identifies it: the commit and a short hash of the text."""
+    identifies it: the commit and a short hash of the text (the working tree's: also its diff
+    against HEAD)."""
     changes = {}
     if revision == WORKTREE:
         text, commit = cpu_decode.SOURCE.read_bytes(), WORKTREE
