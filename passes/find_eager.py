@@ -221,6 +221,8 @@ def _scores_from_logits(node: fx.Node):
         if _is(node, _MUL) or _is(node, _DIV):
             a, b = node.args[0], node.args[1]
             scores, other = (a, b) if not symbolic_float(a) and isinstance(a, fx.Node) else (b, a)
+            if _is(node, _DIV):
+                _require_true_division(node, numerator=scores)
             if symbolic_float(other) and _is(node, _MUL) and scale == 1.0 and not scaled:
                 scale = other  # the only scale: a Python float Dynamo made an input, taken by the op as is
             elif symbolic_float(other) or isinstance(scale, fx.Node):
@@ -238,7 +240,7 @@ def _scores_from_logits(node: fx.Node):
         elif _is(node, _ADD):
             scores, mask = _split_scores(node.args[0], node.args[1])
             if not built_from_mask(mask):
-                raise NotAttention(f"the scores add {_describe(mask)}, a float tensor not built from a mask (a "
+                raise NotAttention(f"the scores add {_describe(mask)}, a tensor not built from a mask (a "
                                    "positional bias such as ALiBi?), which a session cannot carry into the history")
             masks.append((mask, "additive"))
             node = skip_casts(scores)
@@ -269,13 +271,25 @@ def _softcap(node: fx.Node) -> tuple[float, fx.Node] | None:
     inner = skip_casts(tanh.args[0])
     _single_user(inner, "scores divided by the softcap")
     x, y = inner.args[0], inner.args[1] if len(inner.args) > 1 else None
-    divisor = constant_value(y) if _is(inner, _DIV) else None
+    divisor = None
+    if _is(inner, _DIV):
+        _require_true_division(inner, numerator=x)
+        divisor = constant_value(y)
     if _is(inner, _MUL):
         factor, x = (constant_value(y), x) if isinstance(x, fx.Node) else (constant_value(x), y)
         divisor = 1.0 / factor if factor else None
     if divisor is None or not isinstance(x, fx.Node) or abs(divisor - cap) > 1e-6 * abs(cap) or cap <= 0:
         raise NotAttention(f"scores pass through tanh ({tanh.name}) but not as `cap * tanh(scores / cap)`")
     return cap, skip_casts(x)
+
+
+def _require_true_division(div: fx.Node, numerator) -> None:
+    """A division of the scores is a scale only as `scores / c` with no rounding: `c / scores`
+    and `div(..., rounding_mode=...)` are other functions of the scores."""
+    if div.args[0] is not numerator:
+        raise NotAttention(f"the scores are the divisor of {_describe(div)}, not divided by a scale")
+    if (mode := div.kwargs.get("rounding_mode")) is not None:
+        raise NotAttention(f"the scores are divided with rounding_mode={mode!r} ({_describe(div)}), not scaled")
 
 
 def _split_scores(a, b) -> tuple[fx.Node, fx.Node]:

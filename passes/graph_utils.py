@@ -313,8 +313,7 @@ def built_from_mask(node, depth: int = 0) -> bool:
         return _mask_valued(node)
     if depth > 64:
         return False
-    value = node.meta.get("example_value")
-    if node.op == "placeholder" or (isinstance(value, torch.Tensor) and not value.is_floating_point()):
+    if node.op == "placeholder":
         return True
     if _mask_valued(node) or in_group(node, _FILLS):
         return True

@@ -110,6 +110,34 @@ class SDPAAlibiBias(_Projections):
         return self.out(F.scaled_dot_product_attention(q, self.repeat_kv(k), self.repeat_kv(v), attn_mask=bias))
 
 
+class ConstantOverScores(_Projections):
+    """`c / scores` is not a scale of the scores."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        scores = 2.0 / (q @ self.repeat_kv(k).transpose(-1, -2))
+        return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
+
+
+class FloorDividedScores(_Projections):
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        scores = torch.div(q @ self.repeat_kv(k).transpose(-1, -2), 0.25, rounding_mode="floor")
+        return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
+
+
+class IntegerDistanceBias(_Projections):
+    """ALiBi with slope 1 kept in integers: an integer tensor added to the scores is a bias, not a mask."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        t = x.shape[1]
+        distance = torch.arange(t)[None, :] - torch.arange(t)[:, None]
+        scores = q @ self.repeat_kv(k).transpose(-1, -2) * 0.35 + distance
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
+
+
 class TrainingDropout(_Projections):
     def forward(self, x):
         q, k, v = self.qkv(x)
@@ -126,6 +154,9 @@ REFUSED = [
     (TrainingDropout, "dropout"),
     (AlibiBias, "not built from a mask"),
     (SDPAAlibiBias, "not built from a mask"),
+    (IntegerDistanceBias, "not built from a mask"),
+    (ConstantOverScores, "the divisor"),
+    (FloorDividedScores, "rounding_mode='floor'"),
     (GPT2Legacy, "a tensor of the model"),
 ]
 
