@@ -138,6 +138,37 @@ class IntegerDistanceBias(_Projections):
         return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
 
 
+class SoftmaxWrittenOut(_Projections):
+    """exp / sum in place of softmax: no pass reads it, so the product is refused by its shape."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        t = x.shape[1]
+        scores = (q @ self.repeat_kv(k).transpose(-1, -2) * 0.35).masked_fill(
+            torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+        return self.out(weights / weights.sum(-1, keepdim=True) @ self.repeat_kv(v))
+
+
+class ScoresSummedFromABroadcast(_Projections):
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        t = x.shape[1]
+        scores = (q.unsqueeze(-2) * self.repeat_kv(k).unsqueeze(-3)).sum(-1) * 0.35
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
+
+
+class CheckpointedAttention(_Projections):
+    """SDPA inside torch.utils.checkpoint: a higher-order op's subgraph, which no pass walks."""
+
+    def forward(self, x):
+        def attend(q, k, v):
+            return F.scaled_dot_product_attention(q, self.repeat_kv(k), self.repeat_kv(v), is_causal=True)
+
+        return self.out(torch.utils.checkpoint.checkpoint(attend, *self.qkv(x), use_reentrant=False))
+
+
 class TrainingDropout(_Projections):
     def forward(self, x):
         q, k, v = self.qkv(x)
@@ -157,6 +188,9 @@ REFUSED = [
     (IntegerDistanceBias, "not built from a mask"),
     (ConstantOverScores, "the divisor"),
     (FloorDividedScores, "rounding_mode='floor'"),
+    (SoftmaxWrittenOut, "reaches no softmax"),
+    (ScoresSummedFromABroadcast, "reaches no softmax"),
+    (CheckpointedAttention, "scaled_dot_product_attention inside the subgraph of higher-order op"),
     (GPT2Legacy, "a tensor of the model"),
 ]
 
