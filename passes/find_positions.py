@@ -272,6 +272,85 @@ def rewrite_position_sites(gm: fx.GraphModule, sites: list[PositionSite]) -> int
     return _route(gm, sites, torch.ops.kvtopo.positions.default)
 
 
+@dataclass(frozen=True)
+class SlicedTable:
+    node: fx.Node  # `table[:T]` (or `table[:, :T]`...): the chunk's rows of a table the model holds
+    table: fx.Node
+    dim: int  # the sliced dimension
+    length: object  # T: an int, or the graph's node for it
+    model_key: fx.Node
+
+
+def _sliced_rows(node: fx.Node) -> tuple[fx.Node, int, object] | None:
+    """(table, dim, T) when `node` is `table[..., :T, ...]` of a table the model holds: one
+    dimension cut to its first T rows, the others whole."""
+    if not is_call(node, operator.getitem) or not _held_table(node.args[0]):
+        return None
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if not all(isinstance(i, slice) for i in index):
+        return None
+    cut = [d for d, i in enumerate(index) if i != slice(None)]
+    if len(cut) != 1:
+        return None
+    part = index[cut[0]]
+    if not (_is_zero(part.start) or part.start is None) or part.step not in (None, 1) or part.stop is None:
+        return None
+    return (node.args[0], cut[0], part.stop) if _only_combined_elementwise(node) else None
+
+
+_ELEMENTWISE = ((operator.add, torch.add, operator.mul, torch.mul, operator.sub, torch.sub), ("add", "mul", "sub"))
+
+
+def _only_combined_elementwise(node: fx.Node) -> bool:
+    """Whether `node`'s rows only meet the activations elementwise (`x + pe`, `q * cos`), through
+    views and casts: as positions do, and a slice of weights (`w[:n]` into a linear, n equal to
+    the chunk's length by chance) does not."""
+    users = list(node.users)
+    while users:
+        user = users.pop()
+        if is_call(user, torch.reshape, torch.unsqueeze, torch.squeeze, operator.getitem, methods=_SAME_VALUES):
+            users.extend(user.users)
+        elif not is_call(user, *_ELEMENTWISE[0], methods=_ELEMENTWISE[1]):
+            return False
+    return bool(node.users)
+
+
+def find_sliced_table_sites(gm: fx.GraphModule) -> list[SlicedTable]:
+    """Every slice of a table the model holds to the chunk's first T rows (`cos_cached[:T]`, a
+    sinusoidal `pe[:T]`, learned `pos_emb[:, :T]`) that reaches the q/k of the attention ops of one
+    model whose queries are T long: rows 0..T-1 are the chunk's positions counted from 0."""
+    fed = _fed_attention(gm.graph)
+    sites = []
+    for node in gm.graph.nodes if fed else ():
+        found = _sliced_rows(node)
+        if found is None:
+            continue
+        table, dim, length = found
+        tokens = str(node.meta["example_value"].shape[dim]) if "example_value" in node.meta else None
+        keys = {key for ancestors, query_tokens, _, key in fed if node in ancestors and query_tokens == tokens}
+        if len(keys) == 1 and isinstance(next(iter(keys)), fx.Node):
+            sites.append(SlicedTable(node, table, dim, length, keys.pop()))
+    return sites
+
+
+def rewrite_sliced_table_sites(gm: fx.GraphModule, sites: list[SlicedTable]) -> int:
+    """Each `table[:T]` becomes `table.index_select(dim, kvtopo.positions(arange(T), model_key))`:
+    the same rows outside a session, the rows after the stored history inside one."""
+    graph = gm.graph
+    for site in sites:
+        value = site.node.meta["example_value"]
+        with graph.inserting_before(site.node):
+            count = graph.call_function(torch.arange, (site.length,), {"device": value.device})
+            positions = graph.call_function(torch.ops.kvtopo.positions.default, (count, site.model_key))
+            rows = graph.call_function(torch.index_select, (site.table, site.dim, positions))
+        rows.meta.update({k: v for k, v in site.node.meta.items() if k in ("example_value", "stack_trace")})
+        site.node.replace_all_uses_with(rows)
+        graph.erase_node(site.node)
+    graph.lint()
+    gm.recompile()
+    return len(sites)
+
+
 def _given_positions(node: fx.Node) -> tuple[fx.Node, str] | None:
     """(node, token count) for integer positions passed to the graph, [T] or [B, T], named as
     positions (`position_ids`, `cache_position`, `pos`, as Dynamo names an input after its source):

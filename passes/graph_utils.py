@@ -138,7 +138,8 @@ def model_tensor(node: fx.Node) -> bool:
 
 def ancestor_nodes(roots, limit: int | None = None) -> set[fx.Node]:
     """The nodes `roots` (fx nodes; other values are ignored) are computed from, themselves
-    included; at most about `limit` of them when given."""
+    included, through in-place writes too (`pe[:, 0::2] = sin(...)`: the sin is an ancestor of
+    `pe`); at most about `limit` of them when given."""
     seen: set[fx.Node] = set()
     stack = [r for r in roots if isinstance(r, fx.Node)]
     while stack and (limit is None or len(seen) < limit):
@@ -146,7 +147,16 @@ def ancestor_nodes(roots, limit: int | None = None) -> set[fx.Node]:
         if node not in seen:
             seen.add(node)
             stack.extend(node.all_input_nodes)
+            stack.extend(user for user in node.users if _writes_into(user, node))
     return seen
+
+
+def _writes_into(user: fx.Node, node: fx.Node) -> bool:
+    """`user` writes into `node` in place: `node[...] = x`, or an in-place op (`copy_`, `add_`...)."""
+    if not user.args or user.args[0] is not node:
+        return False
+    name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+    return user.target is operator.setitem or (name.endswith("_") and not name.startswith("__"))
 
 
 _EMBEDDING = (torch.nn.functional.embedding, torch.embedding)

@@ -12,8 +12,8 @@ import dataclasses
 from .find_eager import find_eager_sites
 from .find_mla import find_mla_sites
 from .find_other_attention import find_other_attention
-from .find_positions import (find_given_position_sites, find_position_sites, rewrite_given_position_sites,
-                             rewrite_position_sites)
+from .find_positions import (find_given_position_sites, find_position_sites, find_sliced_table_sites,
+                             rewrite_given_position_sites, rewrite_position_sites, rewrite_sliced_table_sites)
 from .find_sdpa import find_sdpa_sites
 from .rewrite import rewrite_mla_sites, rewrite_sites
 from .site import Refusal
@@ -32,6 +32,7 @@ PASSES = (
 # rewritten, added to the report's field).
 GRAPH_PASSES = (
     ("positions", find_position_sites, rewrite_position_sites),  # computed from 0: continued from the store
+    ("positions", find_sliced_table_sites, rewrite_sliced_table_sites),  # table[:T]: rows continued likewise
     ("given_positions", find_given_position_sites, rewrite_given_position_sites),  # passed in: checked
 )
 

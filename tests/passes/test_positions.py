@@ -425,6 +425,73 @@ def test_a_cast_table_picked_by_row_and_columns_continues_from_the_store():
     torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-4, rtol=0)
 
 
+class _SlicedPositionsBlock(torch.nn.Module):
+    """Positions as the first T rows of a table the model holds (`how`): a rotary cache
+    `cos_cached[:T]` (GPT-NeoX's older code), a learned `pos_emb[:, :T]` (minGPT), a sinusoidal
+    buffer `pe[:T]`, or a sinusoid written in place into zeros from `arange(T)`; and a slice of a
+    weight as long as the chunk by chance, `w[:T]` into a linear, which is no position."""
+
+    def __init__(self, how: str, tokens: int = 12):
+        super().__init__()
+        torch.manual_seed(0)
+        self.how = how
+        self.embed = torch.nn.Embedding(256, 32)
+        self.qkv = torch.nn.Linear(32, 96)
+        self.head = torch.nn.Linear(32, 256)
+        angles = torch.arange(64).float()[:, None] * torch.logspace(0, -2, 4)[None]
+        self.register_buffer("cos_cached", torch.cat([angles, angles], -1).cos())
+        self.register_buffer("sin_cached", torch.cat([angles, angles], -1).sin())
+        self.pos_emb = torch.nn.Parameter(torch.randn(1, 64, 32))
+        self.register_buffer("pe", torch.randn(64, 32))
+        self.mix = torch.nn.Parameter(torch.randn(tokens, 32) / 8)
+
+    def forward(self, input_ids):
+        t = input_ids.shape[1]
+        x = self.embed(input_ids)
+        if self.how == "learned":
+            x = x + self.pos_emb[:, :t]
+        elif self.how == "buffer":
+            x = x + self.pe[:t]
+        elif self.how == "in place":
+            pe = torch.zeros(t, 32)
+            pe[:, 0::2] = torch.sin(torch.arange(t).float()[:, None] * torch.logspace(0, -3, 16)[None])
+            x = x + pe
+        elif self.how == "weight":
+            x = x + torch.nn.functional.linear(x, self.mix[:t]).sum(-1, keepdim=True)
+        q, k, v = (part.view(1, t, 4, 8).transpose(1, 2) for part in self.qkv(x).chunk(3, -1))
+        if self.how == "rotary":
+            cos, sin = self.cos_cached[:t], self.sin_cached[:t]
+            q, k = (z * cos + torch.cat([-z[..., 4:], z[..., :4]], -1) * sin for z in (q, k))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(y.transpose(1, 2).reshape(1, t, 32))
+
+
+@pytest.mark.parametrize("how", ["rotary", "learned", "buffer", "in place"])
+def test_positions_sliced_from_a_table_or_written_in_place_continue_from_the_store(how):
+    """Each restarted at 0 on every chunk before (silently wrong in a session)."""
+    model = _SlicedPositionsBlock(how).eval()
+    ids = _ids(seed=4, length=30)
+    with torch.no_grad():
+        expected = model(ids)
+    compiled = torch.compile(model, backend="kvtopo", options={"inductor": False})
+    REPORTS.clear()
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless(page_size=8)):
+        chunks = [compiled(ids[:, :12]), compiled(ids[:, 12:13]), compiled(ids[:, 13:])]
+    sliced = 2 if how == "rotary" else 1  # cos and sin
+    assert REPORTS and all(r.positions == sliced for r in REPORTS), REPORTS
+    torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-4, rtol=0)
+
+
+def test_a_weight_sliced_to_the_chunks_length_is_not_taken_for_positions():
+    model = _SlicedPositionsBlock("weight").eval()
+    ids = _ids(seed=4, length=12)
+    compiled = torch.compile(model, backend="kvtopo", options={"inductor": False})
+    REPORTS.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids), model(ids), atol=1e-5, rtol=0)
+    assert REPORTS and all(r.positions == 0 for r in REPORTS), REPORTS
+
+
 def test_generate_after_calls_in_a_session_still_compresses():
     """A second shape makes Dynamo recompile with dynamic sizes, and the mask's graph then reads the
     embeddings' sizes: a size is not a value, so the mask is still proven (before, every site was
