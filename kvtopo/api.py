@@ -31,7 +31,8 @@ def compile(model: torch.nn.Module, *, inductor: bool = True, dynamic: bool | No
 
 
 def attends_through_the_session(compiled_call, name: str):
-    """`compiled_call`, raising when a call made inside a session ran no kvtopo attention: Dynamo
+    """`compiled_call` as one model forward of the session (`Session.model_forward`), raising
+    when a call made inside a session ran no kvtopo attention: Dynamo
     ran the forward uncompiled (its recompile_limit reached, shared by every frame of the process)
     or the model has no attention kvtopo rewrites, so its tokens attended over themselves alone and
     the session's history was dropped."""
@@ -42,7 +43,8 @@ def attends_through_the_session(compiled_call, name: str):
         if session is None:
             return compiled_call(*args, **kwargs)
         calls = session.calls
-        out = compiled_call(*args, **kwargs)
+        with session.model_forward():
+            out = compiled_call(*args, **kwargs)
         if session.calls == calls:
             raise RuntimeError(
                 f"kvtopo: a forward of {name} inside a session ran no kvtopo attention, so it did not attend over "

@@ -338,7 +338,7 @@ class _SessionForward:
     def __call__(self, ids, positions, valid, prompt_end=None) -> torch.Tensor:
         padding = {} if bool(valid.all()) else {"attention_mask": valid.long()}
         calls = self.session.calls
-        with self.session.step(valid, prompt_end):
+        with self.session.step(valid, prompt_end), self.session.model_forward():
             logits = _last_logits(self.model(input_ids=ids, position_ids=positions, use_cache=False, **padding))
         if self.session.calls == calls:  # the model saw these tokens alone, without their history
             raise RuntimeError(

@@ -340,8 +340,8 @@ class LayerCache(Lifecycle):
         return Page(Phase.TERMINAL)
 
     def _page_opened(self, entry: SequenceKV, page: Page) -> None:
+        page.slot = self.pool.allocate()  # first: a full pool raises before the page is counted
         entry.page_bytes.track(page, self.pool.page_nbytes)
-        page.slot = self.pool.allocate()
         entry.slots_changed()
 
     def _write_tokens(self, entry: SequenceKV, page: Page, chunk, start: int, count: int) -> None:

@@ -80,6 +80,8 @@ class Session:
         self._mask_passed: _PassedMask | None = None  # the last mask (and arguments) that passed the checks
         self._token = None
         self._models: dict[int, tuple[weakref.ref, str]] = {}  # id(model key) -> (its ref, name)
+        self._unfinished: dict[int, str] = {}  # sequence -> the error that left part of a chunk stored
+        self._forward_layers: set[str] | None = None  # layers attended in the model forward under way
         self.calls = 0
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -103,6 +105,18 @@ class Session:
             for seq in list(cache.sequences):
                 cache.release(seq)
         self._batch = None
+        self._unfinished.clear()
+
+    @contextmanager
+    def model_forward(self):
+        """One forward of a model (`kvtopo.compile`'s call, `kvtopo.generate`'s step): a site
+        attended twice in it raises. A module a model calls at two places split by a graph break
+        gets one site name in both graphs, and its two calls would share one store."""
+        outer, self._forward_layers = self._forward_layers, set()
+        try:
+            yield
+        finally:
+            self._forward_layers = outer
 
     @contextmanager
     def step(self, valid: torch.Tensor, prompt_end: Sequence[int] | None = None):
@@ -174,6 +188,13 @@ class Session:
             self._mask_passed = _PassedMask.record(attn_mask, valid, arguments)
         if model_key is not None:
             layer = f"{self.model_name(model_key)}/{layer}"
+        if self._forward_layers is not None:
+            if layer in self._forward_layers:
+                raise RuntimeError(
+                    f"kvtopo: attention site {layer!r} ran twice in one forward: a module the model calls at two "
+                    "places split by a graph break has one site name in both graphs, so both calls would store "
+                    "into one cache. Remove the graph break between the calls, or give each call its own module")
+            self._forward_layers.add(layer)
         cache = self._layer_cache(layer, scale, shared_value_dim, window)
         if declared is not None:
             _check_continuation(layer, declared, cache.longest(), chunk)
@@ -237,6 +258,7 @@ class Session:
         """Forget sequence `seq` in every layer: its pool slots go back to each layer's free list."""
         for cache in self.layers.values():
             cache.release(seq)
+        self._unfinished.pop(seq, None)
 
     def _layer_cache(self, layer: str, scale: float, shared_value_dim: int | None, window: int | None) -> LayerCache:
         """The store of `layer` for this call (made on first use; a layer keeps the value sharing
@@ -295,7 +317,31 @@ class Session:
         steps that can read the stored codes directly (C kernel on CPU, Triton on CUDA) go
         together through one batched call, and the other rows one by one. `prompt_end`: sequence
         -> the length its prompt reaches (`step`); a one-token chunk with more of its prompt to
-        come is a prompt chunk, not a decode step: its append is told the prompt's end."""
+        come is a prompt chunk, not a decode step: its append is told the prompt's end.
+        An error on the way (the pool full, a budget that cannot be met) may leave a chunk stored
+        in part: its sequences then raise here until they are released."""
+        if self._unfinished:
+            self._refuse_unfinished(seqs)
+        try:
+            return self._attend_and_store(cache, seqs, q, k, v, scale, softcap, sinks, prompt_end)
+        except BaseException as error:  # the chunk may be stored in part, in some layers: not to be continued
+            for seq in seqs:
+                self._unfinished.setdefault(seq, f"{type(error).__name__}: {error}")
+            raise
+
+    def _refuse_unfinished(self, seqs: Sequence[int]) -> None:
+        unfinished = {seq: self._unfinished[seq] for seq in seqs if seq in self._unfinished}
+        if unfinished:
+            seq, error = next(iter(unfinished.items()))
+            raise RuntimeError(
+                f"kvtopo: sequence(s) {sorted(unfinished)} hold a chunk stored in part, left by an earlier error "
+                f"(sequence {seq}: {error}); release them (session.release(seq)) or clear the session "
+                "(session.clear()) before attending them again")
+
+    def _attend_and_store(self, cache: LayerCache, seqs: Sequence[int], q, k, v, scale: float,
+                          softcap: float | None, sinks: torch.Tensor | None,
+                          prompt_end: Mapping[int, int] | None) -> torch.Tensor:
+        """`_attend_rows` once its sequences are known to be whole."""
         prompt_end = prompt_end or {}
         prompt = {i for i, seq in enumerate(seqs) if prompt_end.get(seq, 0) > cache.length(seq) + q.shape[2]} \
             if prompt_end else set()  # a decode step's call says no prompt end: no walk over its sequences

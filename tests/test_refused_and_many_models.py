@@ -87,6 +87,36 @@ def test_a_model_with_every_site_refused_generates_uncompressed_with_a_warning()
     assert torch.equal(tokens, expected)
 
 
+class SharedAcrossAGraphBreak(nn.Module):
+    """One attention module called twice per forward (weights shared, as in ALBERT) with a graph
+    break between the calls: both graphs name the site alike."""
+
+    def __init__(self, vocab: int = 64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.block, self.head = nn.Embedding(vocab, 32), SDPACausal(seed=1), nn.Linear(32, vocab)
+
+    def forward(self, input_ids, position_ids=None, use_cache=False, attention_mask=None):
+        x = self.embed(input_ids)
+        x = x + self.block(x)
+        torch._dynamo.graph_break()
+        return (self.head(x + self.block(x)),)
+
+
+def test_a_site_called_twice_in_one_forward_raises():
+    """Its two calls would share one store: each forward's second call would attend over the first's
+    tokens as history. Through kvtopo.compile's forward and kvtopo.generate's steps it raises."""
+    model = SharedAcrossAGraphBreak().eval()
+    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(2))
+    compiled = kvtopo.compile(model, inductor=False)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="'model[0-9]*/block' ran twice in one forward"):
+        kvtopo.generate(compiled, ids, 4, config=kvtopo.Config.lossless())
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
+        with pytest.raises(RuntimeError, match="ran twice in one forward"):
+            compiled(ids)
+        assert s.calls == 1
+
+
 def test_two_models_in_one_session_keep_separate_stores():
     """A draft and a target model (same architecture, same layer names) in one session."""
     draft, target = zoo.build("llama", seed=1), zoo.build("llama", seed=2)

@@ -71,6 +71,36 @@ def test_full_pool_raises_and_never_overwrites_live_pages():
     assert torch.equal(keys, k) and torch.equal(values, v)
 
 
+def _sequence_chunk(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(4, n, 16, generator=g), torch.randn(2, n, 16, generator=g), torch.randn(2, n, 16, generator=g)
+
+
+def test_a_sequence_a_full_pool_stopped_raises_until_released_and_the_others_stay_whole():
+    """The failed chunk is stored in part (two of its pages fit): its sequence refuses to go on,
+    so no later write can land in a page the pool never gave it, and no retry stores it twice."""
+    config = kvtopo.Config.lossless(page_size=8, max_pages=6)
+    first, second = _sequence_chunk(30, seed=0), _sequence_chunk(30, seed=1)
+    with kvtopo.session(config) as session:
+        session.attend_sequence("layer", 0, *first, 0.25)
+        cache = session.layers["layer"]
+        live = cache.pool.keys[[page.slot for page in cache.sequences[0].pages]].clone()
+        with pytest.raises(PoolExhausted, match="max_pages=6"):
+            session.attend_sequence("layer", 1, *second, 0.25)
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match=r"sequence\(s\) \[1\] hold a chunk stored in part.*PoolExhausted"):
+                session.attend_sequence("layer", 1, *_sequence_chunk(1, seed=2), 0.25)
+        assert torch.equal(cache.pool.keys[[page.slot for page in cache.sequences[0].pages]], live)
+        step = _sequence_chunk(1, seed=3)
+        after = session.attend_sequence("layer", 0, *step, 0.25)
+        session.release(1)
+        again = session.attend_sequence("layer", 1, *_sequence_chunk(8, seed=4), 0.25)
+    with kvtopo.session(config) as alone:
+        alone.attend_sequence("layer", 0, *first, 0.25)
+        assert torch.equal(after, alone.attend_sequence("layer", 0, *step, 0.25))
+    assert again.shape == (4, 8, 16) and torch.isfinite(again).all()
+
+
 def test_double_release_is_an_error():
     pool = PagePool(1, 2, 2, 2, torch.float32, torch.device("cpu"))
     page = pool.allocate()
