@@ -346,6 +346,10 @@ class HostRunner:
                 f"the exported decode step reads Recent codes up to a fixed capacity, but Config.prompt_hold_tokens="
                 f"{self.config.prompt_hold_tokens} keeps a chunked prompt's pages waiting there for its end: run "
                 "with prompt_hold_tokens=0")
+        if self.config.max_pages is not None:
+            raise ValueError(f"Config.max_pages={self.config.max_pages}: the host runner holds each layer's pages in "
+                             "buffers of the export's max_context and sets no page limit; run with max_pages=None "
+                             "(export with a smaller max_context to bound memory)")
         if providers is not None:
             runtime_options["providers"] = providers
         self.executor = open_executor(runtime, d, self.layout, threads, **runtime_options)
@@ -354,6 +358,7 @@ class HostRunner:
     def reset(self) -> None:
         self.layers = [_Layer(self, i) for i in range(self.layout.num_layers)]
         self.position = 0
+        self.unfinished: str | None = None  # the error that left a chunk stored in part, until reset()
 
     def nbytes(self) -> int:
         """Bytes of KV state the session would report (pages + metadata), summed over layers."""
@@ -362,7 +367,10 @@ class HostRunner:
     def forward(self, input_ids: np.ndarray, prompt_end: int = 0) -> np.ndarray:
         """Run one chunk [T] (or [1, T]) of token ids; returns logits [T, V] and stores the chunk.
         `prompt_end`: the length the prompt this chunk belongs to reaches, as `Session.step` takes it."""
-        ids = np.asarray(input_ids, np.int64).reshape(1, -1)
+        if self.unfinished is not None:
+            raise RuntimeError(f"an earlier forward stopped with a chunk stored in part ({self.unfinished}); "
+                               "call reset() before running this runner again")
+        ids = self._token_ids(input_ids)
         T = ids.shape[1]
         if self.layout.tokens is not None and T != self.layout.tokens:
             raise ValueError(f"the exported decode step takes exactly {self.layout.tokens} token(s) per call, not {T}")
@@ -377,22 +385,44 @@ class HostRunner:
             feeds.update({f"{k}_{i}": v for k, v in f.items()})
         feeds["lengths"] = lengths
         out = self.executor.run("decode_step", feeds)
-        for i, layer in enumerate(self.layers):
-            # float16 outputs (the "npu" profile) are held as float32 (exactly), as the lifecycle works.
-            layer.observe(layer.seq, torch.from_numpy(out[f"queries_{i}"]).float(), self.layout.kv_heads)
-            new_v = out.get(f"new_v_{i}")  # absent when the values live in the keys (MLA)
-            layer.seq.prompt_end = prompt_end
-            layer.append(torch.from_numpy(out[f"new_k_{i}"]).float(),
-                         None if new_v is None else torch.from_numpy(new_v).float())
+        try:
+            for i, layer in enumerate(self.layers):
+                # float16 outputs (the "npu" profile) are held as float32 (exactly), as the lifecycle works.
+                layer.observe(layer.seq, torch.from_numpy(out[f"queries_{i}"]).float(), self.layout.kv_heads)
+                new_v = out.get(f"new_v_{i}")  # absent when the values live in the keys (MLA)
+                layer.seq.prompt_end = prompt_end
+                layer.append(torch.from_numpy(out[f"new_k_{i}"]).float(),
+                             None if new_v is None else torch.from_numpy(new_v).float())
+        except BaseException as error:  # some layers hold the chunk, some not: not to be continued
+            self.unfinished = f"{type(error).__name__}: {error}"
+            raise
         self.position += T
         return out["logits"][0]
+
+    def _token_ids(self, input_ids) -> np.ndarray:
+        """`input_ids` as [1, T] int64: one sequence ([T] or [1, T]) of integer ids in the vocabulary."""
+        ids = np.asarray(input_ids)
+        if ids.ndim == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"input_ids must be one sequence of at least one token, [T] or [1, T] (the export is "
+                             f"batch 1), got shape {ids.shape}")
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids must be integer token ids, got {ids.dtype}")
+        if ids.min() < 0 or ids.max() >= self.layout.vocab_size:
+            raise ValueError(f"input_ids hold ids outside the vocabulary [0, {self.layout.vocab_size}): "
+                             f"{int(ids.min())}..{int(ids.max())}")
+        return ids.astype(np.int64)[None]
 
     def generate(self, input_ids, max_new_tokens: int, prefill_chunk_size: int | None = None,
                  return_logits: bool = False):
         """Greedy decoding like `kvtopo.generate` (batch 1): -> tokens [prompt + new] (and logits [new, V],
         in the graph's output dtype). A decode step with a fixed token count (the "npu" profile)
         takes the prompt that many tokens per call."""
-        ids = np.asarray(input_ids, np.int64).reshape(-1)
+        if max_new_tokens < 1 or (prefill_chunk_size is not None and prefill_chunk_size < 1):
+            raise ValueError(f"max_new_tokens ({max_new_tokens}) and prefill_chunk_size ({prefill_chunk_size}) must be "
+                             "at least 1")
+        ids = self._token_ids(input_ids)[0]
         chunk = prefill_chunk_size or self.config.prefill_chunk_size
         self.reset()
         for start in range(0, len(ids), chunk):

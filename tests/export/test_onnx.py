@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from kvtopo.kernels.quant import unpack
 from kvtopo.runtime.codecs import MidSegment, fit_bases
+from kvtopo.runtime.lifecycle import BudgetExceeded
 from kvtopo.runtime.layer_cache import best_tokens
 from kvtopo.export.host_runner import HostRunner
 from kvtopo.runtime.policies import ScoreInputs, make_policy
@@ -64,6 +65,32 @@ def test_host_runner_matches_session(name, onnx_export, session_references):
     assert runner.config.prompt_hold_tokens == 0
     with pytest.raises(ValueError, match="prompt_hold_tokens"):
         HostRunner(out, config=CONFIG.replace(refit_after=None, eviction_scope="page", prompt_hold_tokens=256))
+
+
+def test_host_runner_refuses_bad_input_and_goes_no_further_after_a_chunk_stored_in_part(onnx_export):
+    """Before: a [2, T] batch ran as one sequence of 2T tokens, id -1 as id V - 1, float ids
+    truncated; max_pages was ignored; and a chunk a budget stopped left some layers holding it, so
+    the next forward crashed inside the lifecycle."""
+    out, _ = onnx_export("llama", CONFIG, PROMPT + NEW)
+    runner = HostRunner(out)
+    vocab = runner.layout.vocab_size
+    for bad, reason in (([[1, 2], [3, 4]], "batch 1"), ([], "at least one token"), ([-1, 2], "outside the vocabulary"),
+                        ([vocab], "outside the vocabulary"), ([1.9, 2.0], "integer token ids")):
+        with pytest.raises(ValueError, match=reason):
+            runner.forward(bad)
+    with pytest.raises(ValueError, match="at least 1"):
+        runner.generate([1, 2, 3], max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_pages"):
+        HostRunner(out, config=runner.config.replace(max_pages=4))
+    strict = HostRunner(out, config=runner.config.replace(target_ratio=None, layer_budget_bytes=9000, over_budget="raise"))
+    ids = torch.randint(0, vocab, (200,), generator=torch.Generator().manual_seed(1)).numpy()
+    with pytest.raises(BudgetExceeded):
+        for start in range(0, 200, 64):
+            strict.forward(ids[start:start + 64], prompt_end=200)
+    with pytest.raises(RuntimeError, match="stored in part.*BudgetExceeded.*reset"):
+        strict.forward(ids[:1])
+    strict.reset()
+    assert strict.forward(ids[:8]).shape == (8, vocab)
 
 
 def assert_every_phase_and_partial_eviction(runner):
