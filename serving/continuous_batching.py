@@ -93,6 +93,7 @@ internals, so this module raises on any other transformers version (`TRANSFORMER
 from __future__ import annotations
 
 import functools
+import numbers
 import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -564,6 +565,12 @@ class KvtopoBatchingManager(continuous_api.ContinuousBatchingManager):
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
             self._original_attn_impl = original
 
+    def start(self) -> None:
+        """transformers' `stop()` puts the model's own attention back; a restart attends through
+        kvtopo's store again (before, it ran sdpa over a cache that stores nothing)."""
+        self.switch_to_cb_friendly_attn(self.model)
+        super().start()
+
     def _create_batch_processor(self):
         with _engine_builds(functools.partial(KvtopoPagedCache, session=self.session, budget_bytes=self.kv_budget_bytes,
                                               record_request_stats=self.record_request_stats)):
@@ -574,6 +581,21 @@ class KvtopoBatchingManager(continuous_api.ContinuousBatchingManager):
         self.kv_cache = processor.cache
         self.kv_cache.scheduler = processor.scheduler
         return processor
+
+
+def _check_prompts(model, inputs: list[list[int]]) -> None:
+    """Every prompt one or more integer ids inside the model's vocabulary. The engine takes an
+    empty prompt's first token from another request's logits, and an id outside the vocabulary
+    fails the whole batch with an indexing error deep in the model."""
+    vocab = model.get_input_embeddings().num_embeddings
+    for i, ids in enumerate(inputs):
+        if not len(ids):
+            raise ValueError(f"generate_batch: prompt {i} is empty; every request needs at least one token")
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"generate_batch: prompt {i} holds values that are not integer token ids")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"generate_batch: prompt {i} holds ids outside the vocabulary [0, {vocab}): "
+                             f"{min(ids)}..{max(ids)}")
 
 
 def replace_generation_config(generation_config: GenerationConfig, **changes) -> GenerationConfig:
@@ -611,6 +633,7 @@ def generate_batch(model, inputs: list[list[int]], config: Config | None = None,
         raise ValueError("generate_batch: pass config= or session=, not two different configs")
     if not inputs:
         return BatchResult({}, None)
+    _check_prompts(model, inputs)
     gen = generation_config if generation_config is not None else model.generation_config
     new_tokens = max_new_tokens if max_new_tokens is not None else gen.max_new_tokens
     hints = WorkloadHints(max_prompt_length=max(len(ids) for ids in inputs),

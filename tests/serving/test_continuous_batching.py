@@ -397,3 +397,32 @@ def test_a_session_already_holding_sequences_is_refused():
         with pytest.raises(ValueError, match="already holds sequences"):
             KvtopoBatchingManager(zoo.build("llama"), session, GREEDY)
         assert session.stats().tokens == (5,)
+
+
+def test_a_stopped_manager_starts_again_through_kvtopos_store():
+    """transformers' stop() puts the model's own attention back; before, a second start() ran sdpa
+    over kvtopo's cache, which stores nothing, and every request failed."""
+    model, reference = zoo.build("llama"), zoo.build("llama")
+    session = Session(Config.lossless(page_size=16))
+    manager = KvtopoBatchingManager(model, session, GREEDY, _engine(num_blocks=200, page_size=16))
+    with session:
+        for round_, lengths in enumerate(([40, 50], [20, 30])):
+            manager.start()
+            prompts = _prompts(lengths, seed=4 + round_)
+            ids = [manager.add_request(p, max_new_tokens=5) for p in prompts]
+            results = [manager.get_result(request_id=i, timeout=120) for i in ids]
+            manager.stop(block=True, timeout=60)
+            assert model.config._attn_implementation != ATTN_IMPLEMENTATION  # stop() put it back
+            for result, prompt in zip(results, prompts):
+                assert result.error is None and list(result.generated_tokens) == _reference(reference, prompt, 5)
+
+
+@pytest.mark.parametrize("bad,reason", [([], "is empty"), ([3, -1], "outside the vocabulary"),
+                                        ([3, 256], "outside the vocabulary"), ([3, 1.5], "not integer token ids")])
+def test_bad_prompts_are_refused_before_the_engine_runs(bad, reason):
+    """Before: an empty prompt got another request's first token; an id outside the vocabulary
+    failed the whole batch inside the model; a float id was truncated."""
+    session = Session(Config.lossless())
+    with pytest.raises(ValueError, match=f"prompt 1 {'holds values' if 'integer' in reason else ''}.*{reason}"):
+        generate_batch(zoo.build("llama"), [[1, 2, 3], bad], session=session, max_new_tokens=2)
+    assert not session.layers
