@@ -17,7 +17,9 @@ along the token axis of a mask as long as the query, built in the graph as ones 
 caller (a count of the chunk's real tokens: the full history's count sliced at the store's length
 is the same count plus that length), whose values reach the cos/sin (or `polar`) of a rotary
 embedding or an index into a table the model holds (GPT-2's, OPT's, BioGPT's learned position
-embeddings) that feeds the query or key of a rewritten kvtopo attention op. A graph that takes
+embeddings) that feeds the query or key of a rewritten kvtopo attention op. A table's first T
+rows taken by a slice (`cos_cached[:T]`, `pe[:T]`, `pos_emb[:, :T]`) and met elementwise by the
+activations are the same count: the slice becomes a lookup of the routed count's rows. A graph that takes
 `position_ids` as an input (kvtopo.generate, HF generate, export) or whose start comes from a
 cache (`get_seq_length()`, a SymInt input or a non-zero constant: then the count is longer than
 the query) has no such node. An integer input of the query's length named as positions that
