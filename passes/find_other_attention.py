@@ -57,7 +57,7 @@ def find_other_attention(gm: fx.GraphModule) -> tuple[list, list[Refusal]]:
             refusals.append(Refusal(layer_name(node, node.name), name, node.name,
                                     f"{name} is an attention kvtopo does not rewrite ({hint})"))
         elif node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
-            attention = next(filter(None, (_attention_in(sub) for sub in _subgraphs(gm, node))), None)
+            attention = _attention_under(gm, node)
             if attention is not None:
                 op = getattr(node.target, "__name__", str(node.target))
                 refusals.append(Refusal(layer_name(node, node.name), op, node.name,
@@ -135,8 +135,11 @@ def _attention_in(gm: fx.GraphModule) -> str | None:
             return _PRIMITIVES.get(node.target, ("scaled_dot_product_attention",))[0]
         if is_attention_softmax(node):
             return f"a softmax over a product ({node.name})"
-        if isinstance(node.target, torch._ops.HigherOrderOperator):
-            inner = next(filter(None, (_attention_in(sub) for sub in _subgraphs(gm, node))), None)
-            if inner is not None:
-                return inner
+        if isinstance(node.target, torch._ops.HigherOrderOperator) and (inner := _attention_under(gm, node)):
+            return inner
     return None
+
+
+def _attention_under(gm: fx.GraphModule, hop: fx.Node) -> str | None:
+    """What attends in the subgraphs a higher-order op's call takes, named; None if nothing does."""
+    return next(filter(None, (_attention_in(sub) for sub in _subgraphs(gm, hop))), None)
