@@ -6,6 +6,8 @@ self-attention with optional GQA, so the kvtopo passes must find every one of th
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -96,6 +98,19 @@ class EagerDivScale(_Projections):
         return self.out(probs @ v)
 
 
+class EagerInPlaceScale(_Projections):
+    """Falcon's eager form: `scores = q @ k^T; scores /= sqrt(d)` in place, then softmax(scores + mask)."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        t = x.shape[1]
+        mask = torch.full((t, t), float("-inf"), device=x.device).triu(1)
+        scores = q @ self.repeat_kv(k).transpose(-1, -2)
+        scores /= math.sqrt(self.head_dim)
+        probs = F.softmax(scores + mask, dim=-1, dtype=q.dtype)
+        return self.out(probs @ self.repeat_kv(v))
+
+
 class GPT2Legacy(_Projections):
     """GPT-2's older eager attention: where(causal_mask, scores, finfo.min) then + padding mask.
     Refused: the causal mask is a slice of a buffer, whose values the passes cannot read (GPT-Neo
@@ -117,4 +132,5 @@ class GPT2Legacy(_Projections):
         return self.out(torch.matmul(probs, v))
 
 
-BLOCKS = {cls.__name__: cls for cls in (SDPACausal, SDPAFloatMask, SDPABoolMask, EagerMulScale, EagerDivScale)}
+BLOCKS = {cls.__name__: cls for cls in (SDPACausal, SDPAFloatMask, SDPABoolMask, EagerMulScale, EagerDivScale,
+                                        EagerInPlaceScale)}

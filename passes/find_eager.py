@@ -32,6 +32,10 @@ _MATMUL = ((torch.matmul, operator.matmul), ("matmul", "__matmul__"))
 # into the batch axis, XGLM's `bmm`; an added bias, BLOOM's `baddbmm`; `einsum` subscripts).
 _OTHER_PRODUCTS = ((torch.bmm, torch.baddbmm, torch.einsum), ("bmm", "baddbmm"))
 _DIV = ((operator.truediv, torch.div), ("div", "__truediv__"))
+# `scores /= c` (Falcon's eager attention) and `scores *= c`: a scale when no other node reads
+# the scores the op overwrites.
+_IN_PLACE_DIV = ((operator.itruediv,), ("div_", "__itruediv__"))
+_IN_PLACE_MUL = ((operator.imul,), ("mul_", "__imul__"))
 _ADD = ((operator.add, torch.add), ("add", "__add__"))
 _CAT = ((torch.cat, torch.concat, torch.concatenate), ())
 _SHAPE_OPS = ("reshape", "view", "unsqueeze", "expand")
@@ -218,12 +222,16 @@ def _scores_from_logits(node: fx.Node):
         if softcap is not None and (_is(node, _ADD) or is_call(node, torch.where)
                                     or is_call(node, torch.masked_fill, methods=("masked_fill",))):
             raise NotAttention("a mask is applied inside the logit softcap's tanh")
-        if _is(node, _MUL) or _is(node, _DIV):
+        divides = _is(node, _DIV) or _is(node, _IN_PLACE_DIV)
+        in_place = _is(node, _IN_PLACE_DIV) or _is(node, _IN_PLACE_MUL)
+        if divides or in_place or _is(node, _MUL):
             a, b = node.args[0], node.args[1]
             scores, other = (a, b) if not symbolic_float(a) and isinstance(a, fx.Node) else (b, a)
-            if _is(node, _DIV):
+            if divides:
                 _require_true_division(node, numerator=scores)
-            if symbolic_float(other) and _is(node, _MUL) and scale == 1.0 and not scaled:
+            if in_place:
+                _single_user(scores, "scores scaled in place")
+            if symbolic_float(other) and not divides and scale == 1.0 and not scaled:
                 scale = other  # the only scale: a Python float Dynamo made an input, taken by the op as is
             elif symbolic_float(other) or isinstance(scale, fx.Node):
                 raise NotAttention(f"the scores are scaled by a Python float input ({_describe(node)}) together with "
@@ -231,7 +239,7 @@ def _scores_from_logits(node: fx.Node):
             elif (factor := constant_value(other)) is None or not isinstance(scores, fx.Node):
                 raise NotAttention(f"scores are multiplied by a tensor ({_describe(node)}), not a constant scale")
             else:
-                scale = scale * factor if _is(node, _MUL) else scale / factor
+                scale = scale / factor if divides else scale * factor
             scaled = True
             node = skip_casts(scores)
         elif scaled and (_is(node, _ADD) or is_call(node, torch.where)
@@ -304,7 +312,8 @@ def _split_scores(a, b) -> tuple[fx.Node, fx.Node]:
 
 def _leads_to_matmul(node) -> bool:
     node = skip_casts(node)
-    while _is(node, _MUL) or _is(node, _DIV) or _is(node, _ADD) or is_call(node, torch.where) \
+    while _is(node, _MUL) or _is(node, _DIV) or _is(node, _IN_PLACE_MUL) or _is(node, _IN_PLACE_DIV) \
+            or _is(node, _ADD) or is_call(node, torch.where) \
             or is_call(node, torch.masked_fill, methods=("masked_fill",)) or is_call(node, torch.tanh, methods=("tanh",)):
         args = [a for a in node.args[:3] if isinstance(a, fx.Node)]
         if not args:
