@@ -23,7 +23,8 @@ demo: setup
 test: setup
 	$(BIN)/pytest -n 2 --dist loadfile --durations=25
 
-# Every benchmark in bench/, each writing its JSON (and PNG) to bench/results/. Long: see README.
+# The core benchmarks, each writing its JSON (and PNG) to bench/results/. Long: see README. The
+# others (real-model quality, serving, kernels, ...) each run by the command README quotes with its figures.
 bench: setup
 	for b in compile_overhead memory decode_speed generate_speed export quality; do \
 		[ -f bench/$$b.py ] && $(BIN)/python bench/$$b.py || exit 1; \
