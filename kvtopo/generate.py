@@ -119,7 +119,7 @@ def generate(
         def on_the_models_own_cache(why: str):
             warnings.warn(f"kvtopo.generate: {why}, so nothing is compressed; generating with the model's own cache "
                           "instead", stacklevel=3)
-            uncompressed = _UncompressedForward(model)
+            uncompressed = _UncompressedForward(model, why)
             return uncompressed, _prefill(uncompressed, input_ids, positions, mask, prompt, bar)
 
         if elsewhere is not None:
@@ -355,8 +355,9 @@ class _UncompressedForward:
     (the one its layer types need: attention, Mamba, convolutions), handed back under the name its
     forward takes; another module recomputes the whole sequence."""
 
-    def __init__(self, model):
+    def __init__(self, model, why: str):
         self.model = model
+        self.why = why  # why the session could not be used: named again if this fails too
         self.cache = None
         self.cache_argument = None
         if isinstance(getattr(model, "config", None), PretrainedConfig):
@@ -374,8 +375,10 @@ class _UncompressedForward:
                                  use_cache=True, **held)
                 self.cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
                 if self.cache is None:
-                    raise RuntimeError(f"kvtopo.generate: {type(self.model).__name__} returned no cache to continue "
-                                       "its own generation with")
+                    raise RuntimeError(
+                        f"kvtopo.generate: fell back to the model's own cache because {self.why}, but "
+                        f"{type(self.model).__name__} returned no cache to generate with (a model that is not a "
+                        "causal decoder, e.g. one built with is_decoder=False, does not generate token by token)")
             else:
                 padding = {} if bool(self.valid.all()) else {"attention_mask": self.valid.long()}
                 out = self.model(input_ids=self.ids, position_ids=self.positions, use_cache=False, **padding)

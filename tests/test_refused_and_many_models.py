@@ -87,6 +87,20 @@ def test_a_model_with_every_site_refused_generates_uncompressed_with_a_warning()
     assert torch.equal(tokens, expected)
 
 
+def test_a_bidirectional_model_falls_back_and_says_why_it_cannot_generate():
+    """RoFormer built without is_decoder=True attends both ways: refused (its mask is not causal),
+    and its own forward returns no cache, so the fallback cannot generate either; the error names both."""
+    import transformers
+
+    config = transformers.RoFormerConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=64, embedding_size=32)
+    model = kvtopo.compile(transformers.RoFormerForCausalLM(config).eval(), inductor=False)
+    ids = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="nothing is compressed"), \
+            pytest.raises(RuntimeError, match="neither causal order.*returned no cache.*is_decoder=False"):
+        kvtopo.generate(model, ids, 3, config=kvtopo.Config.lossless())
+
+
 class SharedAcrossAGraphBreak(nn.Module):
     """One attention module called twice per forward (weights shared, as in ALBERT) with a graph
     break between the calls: both graphs name the site alike."""
