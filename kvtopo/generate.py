@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
+from kvtopo import hf_cache
 from kvtopo.backend import RefusedAttention
 from kvtopo.compiled import KVTOPO, compiled_backend
 from kvtopo.config import Config
@@ -147,7 +148,9 @@ def generate(
                 break
             last_pos = last_pos + 1
             logits = forward(token[:, None], last_pos[:, None], all_valid)
-    out = torch.cat([input_ids, torch.stack(tokens, dim=1).to(input_ids.dtype)], dim=1)
+        out = torch.cat([input_ids, torch.stack(tokens, dim=1).to(input_ids.dtype)], dim=1)
+        if isinstance(forward, _SessionForward):  # what the stores hold, for an HF generate continuing them
+            hf_cache.record_fed(next(iter(session.model_layers(model)), None), session, out)
     return (out, torch.stack(step_logits, dim=1)) if return_logits else out
 
 

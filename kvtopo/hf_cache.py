@@ -225,9 +225,16 @@ def _generate_checking_prompts(model: torch.nn.Module, *args, **kwargs):
     return _continuing(cache, input_ids, run)
 
 
-# The token ids a model's stores hold, recorded by `_continuing` (keyed by the model's first layer
-# store, so `session.clear()`, which drops the stores, drops the record too).
+# The token ids a model's stores hold, keyed by the model's first layer store: (ids, the session's
+# `changes` count when they were recorded). Any later attend, release or clear makes it stale.
 _FED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def record_fed(first_layer, session: Session, sequences: torch.Tensor) -> None:
+    """Note that the stores whose first layer is `first_layer` now hold the first columns of
+    `sequences` (a generate's output); `kvtopo.generate` and the checked HF generate call it."""
+    if first_layer is not None and sequences.shape[1] >= first_layer.columns:
+        _FED[first_layer] = sequences[:, :first_layer.columns].clone(), session.changes
 
 
 def _continuing(cache: SessionCache, input_ids: torch.Tensor, run):
@@ -239,20 +246,19 @@ def _continuing(cache: SessionCache, input_ids: torch.Tensor, run):
         output = run()
     finally:
         cache.checking_prompts = False
-    sequences = getattr(output, "sequences", output)  # a tensor, or a GenerateOutput's
-    if (first_layer := cache.first_layer()) is not None and sequences.shape[1] >= cache.get_seq_length():
-        _FED[first_layer] = sequences[:, :cache.get_seq_length()].clone()
+    record_fed(cache.first_layer(), cache.session, getattr(output, "sequences", output))  # a GenerateOutput's or a tensor
     return output
 
 
 def _check_prompt_continues(cache: SessionCache, input_ids: torch.Tensor) -> None:
     """HF generate takes the first `get_seq_length()` columns of a prompt as stored: a prompt that
     does not start with what the session holds would be cut there and attend over another text.
-    Checked when the stores hold exactly what the last checked generate left (nothing else fed them)."""
+    Checked when the stores hold exactly what the last generate (HF's checked one, or
+    kvtopo.generate) left: nothing else fed, released or cleared them since."""
     first_layer = cache.first_layer()
-    fed = _FED.get(first_layer) if first_layer is not None else None
+    fed, changes = _FED.get(first_layer, (None, None)) if first_layer is not None else (None, None)
     columns = cache.get_seq_length()
-    if fed is None or fed.shape != (input_ids.shape[0], columns):
+    if fed is None or changes != cache.session.changes or fed.shape != (input_ids.shape[0], columns):
         return
     if input_ids.shape[1] <= columns:
         problem = f"the prompt has {input_ids.shape[1]} columns, nothing beyond them to generate from"

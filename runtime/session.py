@@ -83,6 +83,9 @@ class Session:
         self._unfinished: dict[int, str] = {}  # sequence -> the error that left part of a chunk stored
         self._forward_layers: set[str] | None = None  # layers attended in the model forward under way
         self.calls = 0
+        # Counts every change of what the stores hold (an attend, a release, a clear): a record of
+        # the token ids fed to them (kvtopo.hf_cache) is current while this count is unchanged.
+        self.changes = 0
 
     # -- lifetime -----------------------------------------------------------------------------
     def __enter__(self) -> "Session":
@@ -106,6 +109,7 @@ class Session:
                 cache.release(seq)
         self._batch = None
         self._unfinished.clear()
+        self.changes += 1
 
     @contextmanager
     def model_forward(self):
@@ -259,6 +263,7 @@ class Session:
         for cache in self.layers.values():
             cache.release(seq)
         self._unfinished.pop(seq, None)
+        self.changes += 1
 
     def _layer_cache(self, layer: str, scale: float, shared_value_dim: int | None, window: int | None) -> LayerCache:
         """The store of `layer` for this call (made on first use; a layer keeps the value sharing
@@ -271,6 +276,7 @@ class Session:
                              f"window={cache.window}; now called with {shared_value_dim}, {window}")
         cache.scale = scale
         self.calls += 1
+        self.changes += 1
         return cache
 
     def _new_layer(self, shared_value_dim: int | None, window: int | None) -> LayerCache:

@@ -291,6 +291,26 @@ def test_hf_generate_on_a_compiled_model_checks_its_prompt_too():
     assert copy.deepcopy(model).generate.__self__ is not model
 
 
+def test_the_prompt_check_follows_what_kvtopo_generate_stored_last():
+    """After an HF generate of text A, `kvtopo.generate` of text B (same lengths) replaces what the
+    stores hold: continuing A must be refused (it would attend over B), continuing B must pass and
+    equal the uncompiled model."""
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    a, b, turn = _prompt(length=20, seed=1), _prompt(length=20, seed=2), _prompt(length=2, seed=3)
+    with kvtopo.session(kvtopo.Config.lossless()) as s, torch.no_grad():
+        held_a = model.generate(a, max_new_tokens=5, do_sample=False, cache=SessionCache(s, model=model))
+        held_b = kvtopo.generate(model, b, max_new_tokens=5)
+        assert held_a.shape == held_b.shape
+        with pytest.raises(ValueError, match="the prompt does not start with them"):
+            model.generate(torch.cat([held_a, turn], 1), max_new_tokens=3, do_sample=False,
+                           cache=SessionCache(s, model=model))
+        continued = model.generate(torch.cat([held_b, turn], 1), max_new_tokens=3, do_sample=False,
+                                   cache=SessionCache(s, model=model))
+    with torch.no_grad():
+        expected = zoo.build("llama").generate(torch.cat([held_b, turn], 1), max_new_tokens=3, do_sample=False)
+    assert torch.equal(continued, expected)
+
+
 def test_generate_on_the_wrapper_torch_compile_returns_names_the_in_place_compile():
     """HF generate calls the module itself, not the wrapper `torch.compile(model)` returns: the
     SessionCache sees an eager forward and says how to compile instead."""
