@@ -59,9 +59,9 @@ class Config:
     (SmolLM2 at 2K, `bench/fidelity_configs.py`: mean KL to the full cache 0.076 with 64 tokens,
     0.003 with 256 at 8x; 4-bit Recent codes: 0.006 at fewer bytes).
     Mid (topo): tokens are stored in `mid_bits` bits (None = floats), keys per channel and
-    values per token; `key_energy` / `value_energy` (default None: no projection) instead keep
-    only the principal directions holding that fraction of each kv-head's keys'/values'
-    energy. Projection pays on low-rank heads (MLA latents); on a pretrained model's nearly
+    values per token; `key_energy` / `value_energy` (default None: no projection; both or
+    neither; topo and palu only) instead keep only the principal directions holding that
+    fraction of each kv-head's keys'/values' energy. Projection pays on low-rank heads (MLA latents); on a pretrained model's nearly
     full-rank heads dropping even 10% of a value's energy destroys copied tokens
     (bench/needle_configs.py), so it is opt-in. Tokens are evicted by the exp-free score of the latest
     `observation_window` queries (`score_margin` logits) when needed to meet the budget (a
@@ -73,7 +73,8 @@ class Config:
     Budget: `target_ratio` (bytes vs an fp16 cache of the same tokens) and/or
     `layer_budget_bytes` (per sequence and layer); when even evicting a whole page cannot meet
     it, `over_budget` says whether to keep going ("evict": evict what can be, report the miss
-    in stats) or raise.
+    in stats) or raise ("raise": for the policies that evict by score; kivi, palu and
+    streaming drop no token to meet a budget, so they only report a miss).
     `eviction_scope`: "append" ranks the tokens of all the pages one append (a prefill chunk)
     moves into Mid together and shares the append's room among them by score, so the pages
     the latest queries need keep more tokens (with the whole prompt in one chunk this is
@@ -151,10 +152,25 @@ class Config:
             # Projection is palu's whole method: unset energies mean its usual 0.9, not "none".
             object.__setattr__(self, "key_energy", PALU_ENERGY)
             object.__setattr__(self, "value_energy", PALU_ENERGY)
+        method = POLICIES[self.policy]
+        if (self.key_energy is None) != (self.value_energy is None):
+            raise ValueError(f"Config: key_energy={self.key_energy!r} and value_energy={self.value_energy!r}: set both "
+                             "(keys and values are projected together) or neither")
+        if self.key_energy is not None and not method.projects:
+            raise ValueError(f"Config: policy {self.policy!r} does not project onto principal directions; "
+                             "key_energy / value_energy would be ignored (policies that do: topo, palu)")
+        if self.over_budget == "raise" and not method.meets_budgets:
+            raise ValueError(f"Config: over_budget='raise' with policy {self.policy!r}, which drops no token by score "
+                             "to meet a byte budget: a budget it misses is only reported (stats().budget_missed); "
+                             "use over_budget='evict' or an evicting policy (topo, snapkv, h2o, knorm)")
 
     @classmethod
     def lossless(cls, **overrides) -> "Config":
-        """Every token kept exactly: results equal the uncompressed model's."""
+        """Every token kept exactly: results equal the uncompressed model's. `overrides` set the
+        layout (page sizes, windows, chunking), never the policy."""
+        if "policy" in overrides:
+            raise ValueError(f"Config.lossless: policy={overrides['policy']!r} is invalid: a lossless config's "
+                             "policy is 'full'; use Config(policy=...) for another")
         return cls(**{"policy": "full", "target_ratio": None, **overrides})
 
     def replace(self, **changes) -> "Config":

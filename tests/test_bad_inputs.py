@@ -80,7 +80,7 @@ def test_full_policy_names_the_budget_field_it_refuses():
 def test_valid_configs_still_construct():
     kvtopo.Config()
     kvtopo.Config.lossless()
-    kvtopo.Config(mid_bits=None, recent_bits=2, key_energy=1, value_energy=None, target_ratio=2,
+    kvtopo.Config(mid_bits=None, recent_bits=2, key_energy=1, value_energy=1, target_ratio=2,
                   score_margin=1, protected_spans=((0, 16), (40, 48)), layer_budget_bytes=4096, max_pages=64)
 
 

@@ -72,6 +72,8 @@ class Policy:
 
     name: ClassVar[str]
     tracks_attention_mass: ClassVar[bool] = False
+    meets_budgets: ClassVar[bool] = False  # evicts by score to meet a byte budget (else a budget is only reported)
+    projects: ClassVar[bool] = False  # reads key_energy / value_energy (principal directions)
 
     def __init__(self, config: "Config"):
         self.config = config
@@ -112,6 +114,8 @@ class Policy:
 
 class ExactEviction(Policy):
     """Evict Mid tokens by `score` to meet the budget; keep survivors and Recent pages exact."""
+
+    meets_budgets = True
 
     def mid_encoding(self) -> MidEncoding:
         return MidEncoding(evict=self.has_budget())

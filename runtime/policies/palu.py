@@ -15,14 +15,7 @@ from .base import MidEncoding, Policy
 
 class Palu(Policy):
     name = "palu"
-
-    def __init__(self, config):
-        super().__init__(config)
-        if (config.key_energy is None) != (config.value_energy is None):
-            raise ValueError(
-                f"policy 'palu' projects keys and values alike: set both key_energy and value_energy or neither, "
-                f"got key_energy={config.key_energy!r}, value_energy={config.value_energy!r}"
-            )
+    projects = True
 
     def recent_bits(self):
         return None

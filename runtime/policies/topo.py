@@ -144,6 +144,8 @@ from .base import MidEncoding, Policy, ScoreInputs
 
 class Topo(Policy):
     name = "topo"
+    meets_budgets = True
+    projects = True
 
     def recent_bits(self):
         return self.config.recent_bits

@@ -25,7 +25,7 @@ UNPROJECTED = CONFIG.replace(key_energy=None, value_energy=None)
 CONFIGS = {"evicting": UNPROJECTED.replace(layer_budget_bytes=22000),
            "no-budget": UNPROJECTED.replace(layer_budget_bytes=None),
            # kivi: the same Mid codes, no eviction, Recent pages exact.
-           "kivi": CONFIG.replace(policy="kivi", layer_budget_bytes=None)}
+           "kivi": UNPROJECTED.replace(policy="kivi", layer_budget_bytes=None)}
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
 

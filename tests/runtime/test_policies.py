@@ -92,9 +92,24 @@ def test_every_baseline_is_registered_and_constructs_with_defaults():
     assert POLICIES["h2o"].tracks_attention_mass and not POLICIES["snapkv"].tracks_attention_mass
 
 
-def test_palu_refuses_a_half_projection():
-    with pytest.raises(ValueError, match="key_energy"):
-        make_policy(Config(policy="palu", key_energy=0.8))
+@pytest.mark.parametrize("policy", ["palu", "topo"])
+def test_a_half_projection_is_refused(policy):
+    """Keys and values are projected together: one energy alone crashed topo once a page reached Mid
+    (key_energy) or was ignored (value_energy)."""
+    for fields in (dict(key_energy=0.8), dict(value_energy=0.8)):
+        with pytest.raises(ValueError, match="set both"):
+            Config(policy=policy, **fields)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "knorm", "streaming", "kivi"])
+def test_energies_are_refused_by_a_policy_that_does_not_project(policy):
+    with pytest.raises(ValueError, match=f"policy '{policy}' does not project"):
+        Config(policy=policy, key_energy=0.9, value_energy=0.9)
+
+
+def test_lossless_refuses_another_policy():
+    with pytest.raises(ValueError, match="Config.lossless: policy='topo'"):
+        Config.lossless(policy="topo")
 
 
 def test_palu_projects_at_its_own_default_energy_where_topo_does_not_project():
@@ -434,10 +449,13 @@ def test_evicting_baselines_raise_when_asked_and_the_budget_cannot_be_met(name):
 @pytest.mark.parametrize("name,fields", [("kivi", dict(mid_bits=4)), ("palu", dict(key_energy=0.99, value_energy=0.99))])
 def test_non_evicting_baselines_report_a_budget_they_cannot_meet(name, fields):
     """KIVI and Palu never drop tokens: a budget below what their encoding costs is reported
-    as missed (never raised: they have nothing to evict), and no budget means no miss."""
+    as missed, and no budget means no miss. Asking them to raise on a miss is refused up front:
+    they have nothing to evict, so the request could never be honoured as asked."""
+    with pytest.raises(ValueError, match=f"over_budget='raise' with policy '{name}'"):
+        Config(policy=name, page_size=16, target_ratio=8.0, over_budget="raise", **fields)
     k, v = _kv(600, heads=2, dim=32, dtype=torch.float16, seed=23)
     q = torch.randn(4, 600, 32, generator=torch.Generator().manual_seed(24)).half()
-    s, _ = _run(Config(policy=name, page_size=16, target_ratio=8.0, over_budget="raise", **fields), q, k, v, chunks=[300, 300])
+    s, _ = _run(Config(policy=name, page_size=16, target_ratio=8.0, **fields), q, k, v, chunks=[300, 300])
     assert s.stats().budget_missed and s.stats().per_kind["mid"] > 0
     s, _ = _run(Config(policy=name, page_size=16, target_ratio=None, **fields), q, k, v, chunks=[300, 300])
     assert not s.stats().budget_missed
