@@ -613,8 +613,12 @@ def _check_chunk_mask(layer: str, attn_mask, is_causal: bool, window: int | None
     if bool(differs.any()):
         b, h, t, j = (int(i) for i in differs.nonzero()[0])
         what = "hides" if bool(expected[b, 0, t, j]) else "shows"
+        padding = ("" if valid is not None or what == "shows" else
+                   " If this is a padded batch, the session was not told which tokens are padding: "
+                   "model.generate(..., cache=SessionCache(s)) cannot tell it; use kvtopo.generate(model, ids, "
+                   "attention_mask=mask) or kvtopo.hf_cache.generate(model, ids, attention_mask=mask).")
         raise ValueError(
             f"attention site {layer!r}: its mask {what} key {j} for query {t} of the chunk (batch row {b}), which "
             f"a causal{f' window-{window}' if window else ''} mask with padding does not; a kvtopo session cannot "
             "carry this mask into the cached history (non-causal, a window the passes did not recognise, or "
-            "another mask pattern). Leave this model uncompiled or report the pattern.")
+            f"another mask pattern). Leave this model uncompiled or report the pattern.{padding}")

@@ -94,6 +94,18 @@ def test_left_padded_batch_through_the_helper_matches_hf():
     torch.testing.assert_close(torch.stack(out.logits, 1), torch.stack(expected.logits, 1), atol=1e-4, rtol=0)
 
 
+def test_a_left_padded_batch_through_model_generate_names_the_helper():
+    """`model.generate(..., cache=SessionCache(s))` cannot tell the session which tokens are padding:
+    the session refuses the batch's mask, and the error says which call to use instead."""
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    ids = _prompt(batch=2, length=20)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with kvtopo.session(kvtopo.Config.lossless()) as s, torch.no_grad():
+        with pytest.raises(ValueError, match=r"padded batch.*kvtopo.hf_cache.generate\(model, ids, attention_mask=mask\)"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, cache=SessionCache(s, model=model))
+
+
 def test_a_left_padded_batch_continues_its_history_when_every_row_has_padding():
     """A second `generate` call on the first one's output (as for one sequence above), with every
     row left-padded: the session holds no padding, so the cache counts each row's padding columns
