@@ -38,7 +38,8 @@ _PROGRESS_MIN_TOKENS = 4096
 
 
 class _FromGenerationConfig:
-    """Default of `eos_token_id` / `pad_token_id`: read `model.generation_config` (None is a value)."""
+    """Default of `eos_token_id`, `pad_token_id` and the sampling arguments: read
+    `model.generation_config` (None passed explicitly is a value)."""
 
     def __repr__(self) -> str:
         return "<from model.generation_config>"
@@ -53,10 +54,10 @@ def generate(
     max_new_tokens: int,
     config: Config | None = None,
     attention_mask: torch.Tensor | None = None,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    do_sample: bool = FROM_GENERATION_CONFIG,
+    temperature: float = FROM_GENERATION_CONFIG,
+    top_k: int | None = FROM_GENERATION_CONFIG,
+    top_p: float | None = FROM_GENERATION_CONFIG,
     eos_token_id: int | Sequence[int] | None = FROM_GENERATION_CONFIG,
     prefill_chunk_size: int | None = None,
     generator: torch.Generator | None = None,
@@ -77,10 +78,17 @@ def generate(
     `model.generation_config.pad_token_id`, else the first eos id); `new` is the number of steps
     run: `max_new_tokens`, or fewer when every sequence has stopped.
 
+    `do_sample`, `temperature`, `top_k`, `top_p`: by default from `model.generation_config` where
+    it sets them, else HF's defaults (greedy; when sampling, temperature 1.0, top_k 50, top_p 1.0),
+    so a checkpoint that asks to sample samples here as under HF. Other processing a generation
+    config asks for (a repetition penalty, banned words, a minimum length...) is not applied:
+    a warning names it.
+
     Sampling arguments are checked in every mode for values that are meaningless in any mode
     (top_k < 1, top_p outside (0, 1], temperature NaN, infinite or negative); temperature 0 is
     accepted only without sampling (HF warns and ignores sampling arguments when
-    do_sample=False). `top_k=None` / `top_p=None` (or 1.0) mean no filtering.
+    do_sample=False). `top_k=None` / `top_p=None` (or 1.0) passed explicitly mean no
+    filtering.
     """
     _check_input_ids(input_ids)
     _check_int("max_new_tokens", max_new_tokens, 1)
@@ -88,6 +96,7 @@ def generate(
         raise TypeError(f"kvtopo.generate: config={config!r} is invalid: None or a kvtopo.Config")
     if prefill_chunk_size is not None:
         _check_int("prefill_chunk_size", prefill_chunk_size, 1, "None (the config's) or ")
+    do_sample, temperature, top_k, top_p = _sampling(model, do_sample, temperature, top_k, top_p)
     _check_sampling(do_sample, temperature, top_k, top_p, generator)
     for name, value in (("progress", progress), ("return_logits", return_logits)):
         if not (isinstance(value, bool) or (name == "progress" and value is None)):
@@ -190,6 +199,34 @@ def _check_input_ids(input_ids) -> None:
     if prompt == 0:
         raise ValueError(f"kvtopo.generate: input_ids is an empty prompt (shape {tuple(input_ids.shape)}); "
                          "allowed: at least one token per sequence")
+
+
+# HF generate's own defaults for what neither the caller nor the generation config sets.
+_HF_SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+# Generation-config settings HF applies that kvtopo.generate does not, with the value meaning "off".
+_NOT_APPLIED = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": None,
+                "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+                "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None, "min_p": None,
+                "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "exponential_decay_length_penalty": None,
+                "num_beams": 1, "penalty_alpha": None}
+
+
+def _sampling(model, do_sample, temperature, top_k, top_p) -> tuple:
+    """The sampling arguments as HF generate resolves them: the caller's, else the model's
+    generation config's, else HF's defaults. Warns about generation-config processing not applied."""
+    generation_config = getattr(model, "generation_config", None)
+    resolved = []
+    for name, value in (("do_sample", do_sample), ("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        if value is FROM_GENERATION_CONFIG:
+            value = getattr(generation_config, name, None)
+            value = _HF_SAMPLING_DEFAULTS[name] if value is None else value
+        resolved.append(value)
+    ignored = [f"{name}={getattr(generation_config, name)!r}" for name, off in _NOT_APPLIED.items()
+               if getattr(generation_config, name, off) not in (off, None)]
+    if ignored:
+        warnings.warn(f"kvtopo.generate: model.generation_config sets {', '.join(ignored)}, which HF generate "
+                      "applies and kvtopo.generate does not", stacklevel=3)
+    return tuple(resolved)
 
 
 def _check_sampling(do_sample, temperature, top_k, top_p, generator) -> None:

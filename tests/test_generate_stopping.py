@@ -169,3 +169,29 @@ def test_batch_ends_early_when_every_row_has_stopped(models):
     assert got[0].shape == (2, PROMPT + stop1 + 1)  # the loop ended with the last row's eos
     assert got[0][0, PROMPT:].tolist() == free[0][: stop0 + 1] + [3] * (stop1 - stop0)
     assert got[0][1, -1].item() == eos1
+
+
+def test_sampling_follows_the_generation_config_as_hf_does(models):
+    """A checkpoint whose generation config asks to sample (temperature, top-k) samples under
+    kvtopo.generate too, drawing what HF draws from the same seed; HF's top-k of 50 applies when
+    the config sets none; an explicit do_sample=False still decodes greedily."""
+    reference, model = models
+    ids = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+    for fields in (dict(do_sample=True, temperature=0.7, top_k=5), dict(do_sample=True, temperature=2.0)):
+        _set_generation_config(models, **fields)
+        torch.manual_seed(11)
+        with torch.no_grad():
+            expected = reference.generate(ids, max_new_tokens=STEPS)
+        torch.manual_seed(11)
+        got = kvtopo.generate(model, ids, STEPS, config=LOSSLESS)
+        assert torch.equal(got, expected), fields
+    greedy, _ = _hf(reference, ids)
+    assert not torch.equal(greedy, expected)  # the sampled text is not the greedy one
+    assert torch.equal(kvtopo.generate(model, ids, STEPS, config=LOSSLESS, do_sample=False), greedy)
+
+
+def test_generation_config_processing_it_does_not_apply_is_named(models):
+    _set_generation_config(models, repetition_penalty=1.3, no_repeat_ngram_size=3)
+    ids = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+    with pytest.warns(UserWarning, match="repetition_penalty=1.3, no_repeat_ngram_size=3, which HF generate applies"):
+        kvtopo.generate(models[1], ids, 2, config=LOSSLESS)
