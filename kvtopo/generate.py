@@ -98,6 +98,7 @@ def generate(
         _check_int("prefill_chunk_size", prefill_chunk_size, 1, "None (the config's) or ")
     do_sample, temperature, top_k, top_p = _sampling(model, do_sample, temperature, top_k, top_p)
     _check_sampling(do_sample, temperature, top_k, top_p, generator)
+    tensor_parallel = _tensor_parallel(model, do_sample)
     for name, value in (("progress", progress), ("return_logits", return_logits)):
         if not (isinstance(value, bool) or (name == "progress" and value is None)):
             raise ValueError(f"kvtopo.generate: {name}={value!r} is invalid: "
@@ -148,6 +149,8 @@ def generate(
         for step in range(max_new_tokens):
             step_logits.append(logits)
             token = _select(logits, do_sample, temperature, top_k, top_p, generator)
+            if do_sample and tensor_parallel:  # every rank must feed the same token to the all-reduces
+                torch.distributed.broadcast(token, src=0)
             if eos_ids is not None:  # as HF: finished sequences get the pad id, fed like any token
                 token = torch.where(unfinished, token, torch.full_like(token, pad))
                 unfinished &= ~torch.isin(token, eos_ids)
@@ -227,6 +230,18 @@ def _sampling(model, do_sample, temperature, top_k, top_p) -> tuple:
         warnings.warn(f"kvtopo.generate: model.generation_config sets {', '.join(ignored)}, which HF generate "
                       "applies and kvtopo.generate does not", stacklevel=3)
     return tuple(resolved)
+
+
+def _tensor_parallel(model, do_sample: bool) -> bool:
+    """Whether `model` is sharded by transformers' tensor parallelism. Its ranks compute the same
+    logits but draw samples from their own random state: a sampled token is taken from rank 0 (the
+    sharding must span every process, else rank 0 would hand its tokens to another model copy)."""
+    size = getattr(model, "tp_size", None) or 1
+    if size > 1 and do_sample and size != torch.distributed.get_world_size():
+        raise NotImplementedError(f"kvtopo.generate: sampling under tensor parallelism over {size} of "
+                                  f"{torch.distributed.get_world_size()} processes is not supported (the sampled "
+                                  "token is broadcast from rank 0 of the whole world)")
+    return size > 1
 
 
 def _check_sampling(do_sample, temperature, top_k, top_p, generator) -> None:

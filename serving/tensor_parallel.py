@@ -6,7 +6,7 @@
 
     model = load_tensor_parallel(checkpoint_dir)          # this rank's shard, compiled with kvtopo
     with kvtopo.session(kvtopo.Config()) as s:            # one session per rank
-        out = kvtopo.generate(model, input_ids, max_new_tokens=64)   # same tokens on every rank
+        out = kvtopo.generate(model, input_ids, max_new_tokens=64)   # same tokens on every rank (sampled: rank 0's)
         s.stats().total_bytes                              # this rank's kv-heads only
 
 How it fits together (checked against transformers 5.24.0): the plan shards q/k/v_proj

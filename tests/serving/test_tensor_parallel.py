@@ -41,6 +41,10 @@ def _rank_main(checkpoint: str, out_dir: str) -> None:
                                 kv_heads=sorted(set(stored_kv_heads(s).values())),
                                 held=max(max(held) for held in stats.held_tokens.values()), stored=max(stats.tokens))
     rank = torch.distributed.get_rank()
+    torch.manual_seed(100 + rank)  # each rank's own random state, as a script that seeds nothing may leave it
+    with kvtopo.session(kvtopo.Config.lossless()):
+        out = kvtopo.generate(model, _prompt(), max_new_tokens=NEW_TOKENS, do_sample=True, temperature=2.0, top_k=None)
+        result["sampled"] = dict(tokens=out[0, PROMPT:].tolist())
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.barrier()  # rank 0 hosts the store: no rank tears down while another still talks to it
     torch.distributed.destroy_process_group()
@@ -108,6 +112,12 @@ def single_process(checkpoint):
 def test_lossless_tokens_equal_the_single_process_model(ranks, single_process):
     reference, _ = single_process
     assert [r["lossless"]["tokens"] for r in ranks] == [reference] * WORLD
+
+
+def test_sampled_tokens_are_the_same_on_every_rank(ranks):
+    """Each rank draws from its own random state: rank 0's draw is fed on every rank."""
+    tokens = [r["sampled"]["tokens"] for r in ranks]
+    assert len(tokens[0]) == NEW_TOKENS and tokens[0] == tokens[1]
 
 
 def test_each_rank_stores_only_its_kv_heads(ranks, single_process):
