@@ -4,7 +4,9 @@
 (`model(input_ids=..., position_ids=..., use_cache=False)`, the token dimension marked dynamic),
 runs kvtopo's passes on the FX graph (`passes.manager.run_passes`, as the `kvtopo` backend does)
 and keeps the rewritten GraphModule. A model with refused attention sites is rejected: a site
-left as plain attention would silently ignore the cache.
+left as plain attention would silently ignore the cache. So is one the graphs would run wrong: a
+hybrid's state outside attention, a forward that writes module state (a graph output besides
+the logits), floating weights other than float32.
 
 `DecodeStep` then points every `torch.ops.kvtopo.attention` node at `export.attention.
 cached_attention` over that layer's cache tensors (so the exported graphs contain only standard
@@ -32,6 +34,7 @@ import kvtopo.kernels.ops  # noqa: F401  (registers torch.ops.kvtopo.attention)
 from kvtopo.config import Config
 from kvtopo.passes.find_mla import MLASite
 from kvtopo.passes.manager import run_passes
+from kvtopo.runtime.declared_attention import state_outside_attention
 
 from .attention import LayerCacheTensors, absorbed_mla_inputs, cached_attention, latent_to_heads
 from .compressor import descending_ranks
@@ -49,6 +52,7 @@ class Captured:
 
 def capture(model: nn.Module, tokens: int = 8) -> Captured:
     """Dynamo-trace `model` as kvtopo.generate calls it and rewrite its attention sites."""
+    _check_exportable_model(model)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -79,7 +83,36 @@ def capture(model: nn.Module, tokens: int = 8) -> Captured:
     gm, example_inputs, report = graphs[0]
     if not report.sites:
         raise ValueError("cannot export: kvtopo found no attention site in the model")
+    outputs = _graph_outputs(gm)
+    if len(outputs) != 1:
+        # Dynamo returns a tensor the forward stores on a module (Phi-3's LongRoPE `long_inv_freq`)
+        # as one more graph output; DecodeStep returns only the logits, so that write would be lost.
+        raise NotImplementedError(
+            f"cannot export: the captured graph returns {len(outputs)} outputs ({', '.join(outputs)}), not the "
+            "logits alone: the forward writes module state (the outputs besides the logits) that the exported "
+            "decode step would not carry between calls")
     return Captured(gm, example_inputs, report.sites, report)
+
+
+def _check_exportable_model(model: nn.Module) -> None:
+    """Refuse, before tracing, what the exported graphs cannot hold: state carried outside
+    attention (a hybrid's convolutions or recurrences: the decode step keeps only the KV cache),
+    and floating weights other than float32 (the graphs' and the layout's precision)."""
+    state = state_outside_attention(model)
+    if state is not None:
+        raise NotImplementedError(f"cannot export: this model keeps state outside attention ({state}), which the "
+                                  "exported decode step does not carry between calls")
+    other = sorted({str(t.dtype).removeprefix("torch.") for t in [*model.parameters(), *model.buffers()]
+                    if t.is_floating_point() and t.dtype != torch.float32})
+    if other:
+        raise ValueError(f"cannot export: the model has {', '.join(other)} parameters or buffers; the exported "
+                         "graphs are float32: pass a float32 model (e.g. `model.float()`)")
+
+
+def _graph_outputs(gm: fx.GraphModule) -> list[str]:
+    """Names of the values the graph returns."""
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    return [str(v) for v in torch.utils._pytree.tree_leaves(output.args[0])]
 
 
 def _static_experts(model: nn.Module):

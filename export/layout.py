@@ -136,7 +136,11 @@ class CacheLayout:
         pages = math.ceil(max_context / P)
         exact_phases = {Phase.INITIAL, Phase.TERMINAL} | ({Phase.RECENT} if recent_bits is None else set()) \
             | ({Phase.MID} if enc.identity else set())
-        most_exact = max(sum(plan.phase(i, n) in exact_phases for i in range(n)) for n in range(1, pages + 1))
+        # The exact pages never get fewer as pages are added: the new page is exact (Terminal) and at most
+        # one page leaves the exact phases (the old Terminal page into Recent, or a Recent page into Mid),
+        # so the most the plan ever holds is what it holds at max_context.
+        counts = plan.counts(pages)
+        most_exact = sum(counts[phase] for phase in exact_phases)
         mid_bits = enc.key_bits if not enc.identity else None
         mid_projected = enc.identity or enc.project
         per_byte = 8 // (mid_bits or 4)

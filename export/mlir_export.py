@@ -80,9 +80,9 @@ def lower(module: torch.nn.Module | torch.export.ExportedProgram, args, output_t
 
 def export_mlir_files(model, out_dir, config, max_context: int, output_types=OUTPUT_TYPES, tokens: int | None = 1,
                       profile: str | None = None):
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     layout, graphs = export_graphs(model, config, max_context, tokens, profile)
+    out = Path(out_dir)  # created once the model is accepted: a refused one leaves no empty directory
+    out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, (module, args, dynamic) in graphs.items():
         with torch.no_grad():  # traced once, lowered to each output type (torch-mlir copies it to decompose)

@@ -129,9 +129,9 @@ def export_onnx_files(model, out_dir, config, max_context: int = 4096, profile: 
     """Write decode_step.onnx, compressor.onnx and layout.json to out_dir; return their paths.
     Under the "npu" profile every input and output dimension of both files is a number
     (`dynamic_dims` finds none; raises otherwise)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     layout, graphs = export_graphs(model, config, max_context, profile=profile, mid_valid_only=True)
+    out = Path(out_dir)  # created once the model is accepted: a refused one leaves no empty directory
+    out.mkdir(parents=True, exist_ok=True)
     paths = {"decode_step": str(out / DECODE_FILE), "compressor": str(out / COMPRESSOR_FILE)}
     for graph, (module, args, dynamic) in graphs.items():
         with torch.no_grad():

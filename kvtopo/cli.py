@@ -69,7 +69,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 def parse_config(text: str | None):
     """A kvtopo Config from `--config`: JSON fields inline (`'{"target_ratio": 4}'`) or a JSON
-    file's path; None gives `Config()`."""
+    file's path; None gives `Config()`. Text that starts like JSON (`{` or `[`) is inline."""
     import json
 
     from kvtopo.config import Config
@@ -77,7 +77,9 @@ def parse_config(text: str | None):
     if text is None:
         return Config()
     try:
-        fields = json.loads(text) if text.lstrip().startswith("{") else json.loads(open(text).read())
+        fields = json.loads(text) if text.lstrip().startswith(("{", "[")) else json.loads(open(text).read())
+        if not isinstance(fields, dict):
+            raise UsageError(f"--config: expected a JSON object of Config fields, got a {type(fields).__name__}")
         if "protected_spans" in fields:
             fields["protected_spans"] = tuple(tuple(s) for s in fields["protected_spans"])
         return Config(**fields)

@@ -2,7 +2,8 @@
 
 MODEL is a zoo name, `smollm2` (the project's real model, models/pretrained.py), or a path: a
 Hugging Face checkpoint directory or a `.gguf` file. Real models are loaded in float32, the
-precision the graphs are exported in.
+precision the graphs are exported in. A config or model the export refuses (an unsupported policy,
+refused attention, a sliding window, a hybrid) is a usage error: its reason, exit status 2.
 
 `--target` compiles the export for a runtime of this machine and smoke-runs it: a prompt and a few
 greedy steps through HostRunner on that runtime and through the PyTorch session; the exit status
@@ -97,20 +98,41 @@ def _run_export(args: argparse.Namespace) -> int:
     except ImportError:
         import export as kx
     config = parse_config(args.config)
+    try:
+        kx.layout.check_exportable(config)
+    except NotImplementedError as err:
+        raise UsageError(f"--config: {err}") from None
+    _check_out(args.out)
     model, tokenizer = load_model(args.model)
     common = dict(config=config, max_context=max_context, profile=args.profile)
-    if args.format == "onnx":
-        paths = kx.export_onnx(model, args.out, **common)
-    elif args.target == "iree":
-        paths = kx.export_iree(model, args.out, **common)
-    else:
-        paths = kx.export_mlir(model, args.out, **common)
+    try:
+        if args.format == "onnx":
+            paths = kx.export_onnx(model, args.out, **common)
+        elif args.target == "iree":
+            paths = kx.export_iree(model, args.out, **common)
+        else:
+            paths = kx.export_mlir(model, args.out, **common)
+    except (NotImplementedError, ValueError) as err:  # the export's refusals (RefusedAttention is a ValueError)
+        raise UsageError(f"{args.model}: {err}") from None
     for name, path in paths.items():
         print(f"{name}: {path}")
     if args.target is None:
         return 0
     return _smoke_run(model, args.out, args.target, prompt_ids(model, tokenizer, args.smoke_prompt),
                       args.smoke_tokens)
+
+
+def _check_out(out: str) -> None:
+    """--out must be a directory or a path one can be created at: checked before the model loads."""
+    from kvtopo.cli import UsageError
+
+    if not out:
+        raise UsageError("--out is empty: give the output directory")
+    path = Path(out)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"--out {out} is not a directory" if existing == path else
+                         f"--out {out}: {existing} is not a directory")
 
 
 def prompt_ids(model, tokenizer, tokens: int, seed: int = 0):

@@ -4,6 +4,7 @@ PyTorch session; a target that does not run the format is a usage error."""
 import pytest
 
 from kvtopo.cli import main
+from kvtopo.models import zoo
 
 
 def test_target_must_run_the_format(tmp_path, capsys):
@@ -46,13 +47,60 @@ def test_unknown_model_name_lists_the_choices(tmp_path, capsys):
     assert "unknown model 'gpt5'" in err and "llama" in err and "smollm2" in err, err
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--config", "[1, 2]"], "--config: expected a JSON object of Config fields, got a list"),
+    (["--config", '{"policy": "snapkv"}'], "--config: export supports policies ('topo', 'full', 'kivi'), not 'snapkv'"),
+], ids=["config-not-an-object", "policy-not-exported"])
+def test_config_the_export_cannot_take_is_refused_before_loading(tmp_path, capsys, monkeypatch, extra, message):
+    monkeypatch.setattr("kvtopo.export_cli.load_model", lambda spec: pytest.fail("loaded the model"))
+    out = tmp_path / "out"
+    err = _usage_error(["export", "onnx", "llama", "--out", str(out), *extra], capsys)
+    assert message in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("out, message", [
+    ("", "--out is empty"),
+    ("file", "--out {tmp}/file is not a directory"),
+    ("file/sub", "--out {tmp}/file/sub: {tmp}/file is not a directory"),
+], ids=["empty", "a-file", "under-a-file"])
+def test_out_that_cannot_be_a_directory_is_refused_before_loading(tmp_path, capsys, monkeypatch, out, message):
+    monkeypatch.setattr("kvtopo.export_cli.load_model", lambda spec: pytest.fail("loaded the model"))
+    (tmp_path / "file").write_text("")
+    err = _usage_error(["export", "mlir", "llama", "--out", str(tmp_path / out) if out else ""], capsys)
+    assert message.format(tmp=tmp_path) in err, err
+
+
+def _lfm2():
+    """A hybrid: LFM2's short-convolution layer before its attention layer."""
+    import torch
+    import transformers
+
+    config = transformers.Lfm2Config(layer_types=["conv", "full_attention"], hidden_size=64, num_attention_heads=4,
+                                     num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128, vocab_size=256,
+                                     pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    return transformers.Lfm2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("build, message", [
+    (_lfm2, "keeps state outside attention"),
+    (lambda: zoo.build("mistral-sw"), "export does not carry sliding windows"),
+], ids=["hybrid", "sliding-window"])
+def test_model_the_export_refuses_is_named_without_a_traceback(tmp_path, capsys, build, message):
+    """A refused checkpoint exits 2 with the export's reason, and leaves no output directory."""
+    checkpoint, out = tmp_path / "checkpoint", tmp_path / "out"
+    build().save_pretrained(checkpoint)
+    err = _usage_error(["export", "onnx", str(checkpoint), "--out", str(out)], capsys)
+    assert f"{checkpoint}: " in err and message in err, err
+    assert not out.exists()
+
+
 def test_checkpoint_directory_exports_and_openvino_smoke_runs(tmp_path, capsys):
     """A Hugging Face checkpoint directory (save_pretrained of the zoo Llama) loads, exports and,
     with --target openvino, gives the PyTorch session's tokens; the reference is the model loaded
     from the directory. (One export for both checks: the zoo name would export the same graph;
     the onnxruntime target is smoke-run by the GGUF case below and test_npu_profile's CLI case.)"""
-    from kvtopo.models import zoo
-
     checkpoint = tmp_path / "checkpoint"
     zoo.build("llama").save_pretrained(checkpoint)
     code = main(["export", "onnx", str(checkpoint), "--out", str(tmp_path / "out"), "--max-context", "64",
