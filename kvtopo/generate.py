@@ -105,6 +105,10 @@ def generate(
                              f"{'None or ' if name == 'progress' else ''}a bool")
     mask = _validated_mask(input_ids, attention_mask)
     active = context.active_session()
+    if active is not None and active.engine is not None:
+        raise RuntimeError("kvtopo.generate: the active session holds the requests of a continuous-batching engine "
+                           f"({type(active.engine).__name__}); generating in it would clear them. Run kvtopo.generate "
+                           "in a session of its own (with kvtopo.session(config): ...)")
     if active is not None and config is not None and config != active.config:
         raise ValueError("generate(config=...) differs from the active session's config; pass one or the other")
     _check_compiled(model)

@@ -86,6 +86,7 @@ class Session:
         # Counts every change of what the stores hold (an attend, a release, a clear): a record of
         # the token ids fed to them (kvtopo.hf_cache) is current while this count is unchanged.
         self.changes = 0
+        self.engine = None  # a continuous-batching engine whose requests the stores hold (serving/)
 
     # -- lifetime -----------------------------------------------------------------------------
     def __enter__(self) -> "Session":

@@ -552,6 +552,7 @@ class KvtopoBatchingManager(continuous_api.ContinuousBatchingManager):
         if generation_config.eos_token_id is None:  # as init_continuous_batching does
             generation_config = replace_generation_config(generation_config, eos_token_id=-1)
         AttentionInterface.register(ATTN_IMPLEMENTATION, kvtopo_paged_attention)
+        session.engine = self  # the store holds this engine's requests: kvtopo.generate must not clear it
         self.session = session
         self.kv_budget_bytes = kv_budget_bytes
         self.record_request_stats = record_request_stats
@@ -564,6 +565,12 @@ class KvtopoBatchingManager(continuous_api.ContinuousBatchingManager):
         if original != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
             self._original_attn_impl = original
+
+    def add_request(self, input_ids: list[int], *args, **kwargs) -> str | None:
+        """The engine's `add_request` (`transformers serve` and `add_requests` call it), refusing a
+        prompt the engine would mishandle (`_check_prompts`) before it reaches the batch."""
+        _check_prompts(self.model, [input_ids], "KvtopoBatchingManager.add_request")
+        return super().add_request(input_ids, *args, **kwargs)
 
     def start(self) -> None:
         """transformers' `stop()` puts the model's own attention back; a restart attends through
@@ -583,18 +590,23 @@ class KvtopoBatchingManager(continuous_api.ContinuousBatchingManager):
         return processor
 
 
-def _check_prompts(model, inputs: list[list[int]]) -> None:
+def _check_prompts(model, inputs: list[list[int]], caller: str = "generate_batch") -> None:
     """Every prompt one or more integer ids inside the model's vocabulary. The engine takes an
-    empty prompt's first token from another request's logits, and an id outside the vocabulary
-    fails the whole batch with an indexing error deep in the model."""
+    empty prompt's first token from another request's logits (or, alone, its worker dies), and an
+    id outside the vocabulary fails the whole batch with an indexing error deep in the model."""
     vocab = model.get_input_embeddings().num_embeddings
     for i, ids in enumerate(inputs):
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+                raise ValueError(f"{caller}: prompt {i} is a {ids.dim()}-d {ids.dtype} tensor; a prompt is a list "
+                                 "(or 1-d integer tensor) of token ids")
+            ids = ids.tolist()
         if not len(ids):
-            raise ValueError(f"generate_batch: prompt {i} is empty; every request needs at least one token")
+            raise ValueError(f"{caller}: prompt {i} is empty; every request needs at least one token")
         if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
-            raise ValueError(f"generate_batch: prompt {i} holds values that are not integer token ids")
+            raise ValueError(f"{caller}: prompt {i} holds values that are not integer token ids")
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"generate_batch: prompt {i} holds ids outside the vocabulary [0, {vocab}): "
+            raise ValueError(f"{caller}: prompt {i} holds ids outside the vocabulary [0, {vocab}): "
                              f"{min(ids)}..{max(ids)}")
 
 

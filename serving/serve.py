@@ -23,6 +23,7 @@ version). Needs the packages transformers' server needs: fastapi, uvicorn, pydan
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import sys
 import threading
@@ -88,11 +89,13 @@ class KvtopoServer:
     model: str
     session: Session
     _serve: object
+    _context: contextvars.Context  # where the session is active: the caller's own context is left alone
 
     def stop(self) -> None:
+        """Stop serving and close the session (from any thread)."""
         self._serve.kill_server()
         if self.session.active:
-            self.session.__exit__(None, None, None)
+            self._context.run(self.session.__exit__, None, None, None)
 
 
 def _model_spec(model: str) -> str:
@@ -129,16 +132,19 @@ def start_server(model: str, config: Config | None = None, *, host: str = "127.0
     spec, url = _model_spec(model), f"http://{host}:{port}"
     if block:
         print(f"kvtopo serve: {url}/v1/chat/completions; requests name the model {spec!r}", file=sys.stderr)
-    session = Session(config)
-    session.__enter__()
+    # The session is active in a context of its own (the engine's worker checks it is open): entered
+    # in the caller's, it stayed the caller's active session, and the caller's next kvtopo.generate
+    # cleared every request the server held.
+    session, context = Session(config), contextvars.copy_context()
+    context.run(session.__enter__)
     try:
         with _server_loads_models_with(session):
             serve = Serve(force_model=spec, continuous_batching=True, device="cpu", host=host,
                           port=port, non_blocking=not block, **serve_options)
     except BaseException:
-        session.__exit__(None, None, None)
+        context.run(session.__exit__, None, None, None)
         raise
-    server = KvtopoServer(url, spec, session, serve)
+    server = KvtopoServer(url, spec, session, serve, context)
     if not block:
         _wait_until_up(server, timeout)
     return server

@@ -56,6 +56,8 @@ def load_tensor_parallel(path, *, tp_size: int | None = None, inductor: bool = T
 
     config = AutoConfig.from_pretrained(path)
     size = tp_size if tp_size is not None else int(_env("WORLD_SIZE"))
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"load_tensor_parallel: tp_size={size!r} is invalid: None (the world size) or an int >= 1")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % size or kv_heads % size:

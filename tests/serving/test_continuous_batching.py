@@ -426,3 +426,26 @@ def test_bad_prompts_are_refused_before_the_engine_runs(bad, reason):
     with pytest.raises(ValueError, match=f"prompt 1 {'holds values' if 'integer' in reason else ''}.*{reason}"):
         generate_batch(zoo.build("llama"), [[1, 2, 3], bad], session=session, max_new_tokens=2)
     assert not session.layers
+
+
+def test_a_prompt_tensor_is_taken_and_add_request_checks_prompts_too():
+    """A 1-d integer tensor is a prompt (as the engine's own generate_batch takes it); the manager's
+    add_request, which `transformers serve` calls, refuses an empty prompt before the engine sees it
+    (alone it killed the engine's worker)."""
+    model, reference = zoo.build("llama"), zoo.build("llama")
+    prompt = _prompts([20], seed=9)[0]
+    result = generate_batch(model, [torch.tensor(prompt)], Config.lossless(), max_new_tokens=3, generation_config=GREEDY)
+    assert list(next(iter(result.outputs.values())).generated_tokens) == _reference(reference, prompt, 3)
+    manager = KvtopoBatchingManager(model, Session(Config.lossless()), GREEDY)
+    with pytest.raises(ValueError, match="KvtopoBatchingManager.add_request: prompt 0 is empty"):
+        manager.add_request([], max_new_tokens=2)
+
+
+def test_kvtopo_generate_refuses_a_session_an_engine_serves_from():
+    """kvtopo.generate clears the active session first: in a session holding an engine's requests
+    it would have dropped every one of them."""
+    session = Session(Config.lossless())
+    KvtopoBatchingManager(zoo.build("llama"), session, GREEDY)
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    with session, pytest.raises(RuntimeError, match="holds the requests of a continuous-batching engine"):
+        kvtopo.generate(model, torch.tensor([_prompts([10], seed=1)[0]]), 2)

@@ -2,6 +2,7 @@
 
 import json
 import socket
+import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,6 +12,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from kvtopo.config import Config
 from kvtopo.models import zoo
+from kvtopo.runtime.context import active_session
 from kvtopo.serving.continuous_batching import page_ownership_errors
 
 pytest.importorskip("fastapi", reason="kvtopo serve needs transformers' server extras: pip install -e '.[serve]'")
@@ -60,9 +62,13 @@ def _prompts(lengths):
 
 
 def _serve_concurrently(checkpoint, config: Config, lengths):
+    """Serve chats of `lengths` words at once. The server's session is active for its engine, not
+    in the caller's context (before, the caller's next kvtopo.generate cleared every request the
+    server held), and the server stops from another thread."""
     path, _, _ = checkpoint
     server = start_server(str(path), config, port=_free_port(), dtype="float32", cb_max_batch_tokens=64)
     try:
+        assert active_session() is None and server.session.active
         prompts = _prompts(lengths)
         with ThreadPoolExecutor(len(prompts)) as pool:
             answers = list(pool.map(lambda text: _chat(server, str(path), text), prompts))
@@ -70,7 +76,10 @@ def _serve_concurrently(checkpoint, config: Config, lengths):
                        for m in server._serve._model_manager.loaded_models.values())
         return prompts, answers, server.session, manager.kv_cache.peak
     finally:
-        server.stop()
+        stopping = threading.Thread(target=server.stop)
+        stopping.start()
+        stopping.join()
+        assert not server.session.active
 
 
 def test_concurrent_chat_requests_get_the_models_own_answers(checkpoint):

@@ -109,6 +109,14 @@ def single_process(checkpoint):
         return reference, s.stats().total_bytes
 
 
+@pytest.mark.parametrize("size", [0, -2, 1.5])
+def test_a_tp_size_that_is_not_a_positive_int_is_refused(checkpoint, size):
+    from kvtopo.serving.tensor_parallel import load_tensor_parallel
+
+    with pytest.raises(ValueError, match=f"tp_size={size!r} is invalid"):
+        load_tensor_parallel(checkpoint[1], tp_size=size)
+
+
 def test_lossless_tokens_equal_the_single_process_model(ranks, single_process):
     reference, _ = single_process
     assert [r["lossless"]["tokens"] for r in ranks] == [reference] * WORLD
