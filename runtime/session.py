@@ -49,7 +49,8 @@ class CacheStats:
 
     @property
     def ratio_vs_fp16(self) -> float:
-        """How many times smaller than an fp16 cache of the same tokens (inf when empty)."""
+        """How many times smaller than an fp16 cache of the same tokens (inf when nothing is held;
+        0 when the pools hold only free slots, e.g. after `clear()`)."""
         return self.fp16_bytes / self.total_bytes if self.total_bytes else float("inf")
 
 
