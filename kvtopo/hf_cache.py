@@ -177,7 +177,9 @@ class SessionCache(Cache):
     def _active_session(self, what: str) -> Session:
         active = context.active_session()
         if active is not self.session:
-            state = "is not active" if not self.session.active else "is not the innermost active session"
+            state = ("is not active" if not self.session.active else
+                     "is not active in this thread (a session is active where it was entered)" if active is None else
+                     "is not the innermost active session")
             raise RuntimeError(
                 f"SessionCache.{what}: its kvtopo session {state}; call model.generate(..., "
                 "cache=SessionCache(s)) inside `with kvtopo.session(config) as s:`"

@@ -97,6 +97,9 @@ class Session:
         return self
 
     def __exit__(self, *exc) -> None:
+        if context.active_session() is not self:  # a context variable restores what was active at entry
+            raise RuntimeError("kvtopo session exited where it is not the innermost active session: exit sessions "
+                               "in the reverse order of entering them, in the thread that entered them (use `with`)")
         context.leave(self._token)
         self._token = None
 

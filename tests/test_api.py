@@ -38,6 +38,19 @@ def test_session_api_outside_a_session():
         kvtopo.session({"page_size": 4})
 
 
+def test_sessions_exited_out_of_order_raise_instead_of_leaving_a_closed_one_active():
+    """A context variable restores, on exit, what was active at entry: exiting the outer session
+    first used to leave it active (closed) after the inner one exited."""
+    outer, inner = kvtopo.session(kvtopo.Config.lossless()), kvtopo.session(kvtopo.Config.lossless())
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(RuntimeError, match="not the innermost active session"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)
+    assert kvtopo.runtime.context.active_session() is None
+
+
 def test_session_batch_size_is_fixed():
     q = torch.randn(2, 2, 3, 4)
     with kvtopo.session(kvtopo.Config.lossless()) as s:

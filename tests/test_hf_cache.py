@@ -1,6 +1,7 @@
 """HF `model.generate` on a kvtopo-compiled model through the tensor-free SessionCache adapter."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -143,6 +144,12 @@ def test_using_the_adapter_outside_its_session_raises():
         with pytest.raises(RuntimeError, match="not the innermost"):
             cache.get_seq_length()
         assert SessionCache(inner).get_seq_length() == 0
+    with session:  # active here, not in another thread (context variables are per thread)
+        errors = []
+        worker = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, cache.get_seq_length)))
+        worker.start()
+        worker.join()
+        assert "not active in this thread" in str(errors[0].value)
     with pytest.raises(RuntimeError, match="active kvtopo session"):
         kvtopo.hf_cache.generate(model, ids, max_new_tokens=2)
     with pytest.raises(TypeError, match="kvtopo Session"):
