@@ -101,7 +101,7 @@ def time_steps(session, cache, seqs: list[int], q, k_new, v_new, scale: float, s
         if per_sequence:
             Session._decode_batch(cache, seqs, q, k_new, v_new, scale, None)
         else:
-            session._attend_rows(cache, seqs, q, k_new, v_new, scale, None, None)
+            session._attend_and_store(cache, seqs, q, k_new, v_new, scale, None, None, None)
         elapsed = time.perf_counter() - start
         times.append((elapsed, sum(cache.page_count(seq) for seq in seqs) != pages))
     return times

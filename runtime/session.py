@@ -211,21 +211,22 @@ class Session:
             value = key[..., :shared_value_dim]
 
         full = self._step_full if valid is not None else list(range(batch))
-        if len(full) == batch:
-            out = self._attend_rows(cache, full, query, key, value, scale, softcap, sinks, self._prompt_end)
-            cache.columns += chunk
-            return out
-        out = query.new_zeros(*query.shape[:-1], value.shape[-1])
-        if full:
-            out[full] = self._attend_rows(cache, full, query[full], key[full], value[full], scale, softcap, sinks,
-                                          self._prompt_end)
-        for b in sorted(set(range(batch)) - set(full)):  # rows with padding: their real tokens only
-            rows = valid[b].nonzero().squeeze(1)
-            if not rows.numel():  # padding only: nothing to attend or store, its output stays zero
-                continue
-            one = slice(b, b + 1), slice(None), rows
-            out[b, :, rows] = self._attend_rows(cache, [b], query[one], key[one], value[one], scale, softcap, sinks,
-                                                self._prompt_end)[0]
+        with self._storing(range(batch)):  # rows with padding are stored apart: an error may stop between them
+            if len(full) == batch:
+                out = self._attend_and_store(cache, full, query, key, value, scale, softcap, sinks, self._prompt_end)
+                cache.columns += chunk
+                return out
+            out = query.new_zeros(*query.shape[:-1], value.shape[-1])
+            if full:
+                out[full] = self._attend_and_store(cache, full, query[full], key[full], value[full], scale, softcap,
+                                                   sinks, self._prompt_end)
+            for b in sorted(set(range(batch)) - set(full)):  # rows with padding: their real tokens only
+                rows = valid[b].nonzero().squeeze(1)
+                if not rows.numel():  # padding only: nothing to attend or store, its output stays zero
+                    continue
+                one = slice(b, b + 1), slice(None), rows
+                out[b, :, rows] = self._attend_and_store(cache, [b], query[one], key[one], value[one], scale, softcap,
+                                                         sinks, self._prompt_end)[0]
         cache.columns += chunk
         return out
 
@@ -245,8 +246,9 @@ class Session:
         if prompt_end < 0:
             raise ValueError(f"prompt_end must be a length >= 0, got {prompt_end}")
         cache = self._layer_cache(layer, scale, None, None)
-        return self._attend_rows(cache, [seq], query[None], key[None], value[None], scale, softcap, sinks,
-                                 {seq: prompt_end})[0]
+        with self._storing([seq]):
+            return self._attend_and_store(cache, [seq], query[None], key[None], value[None], scale, softcap, sinks,
+                                          {seq: prompt_end})[0]
 
     def attend_sequences(self, layer: str, seqs: Sequence[int], query, key, value, scale: float, *,
                          softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -261,7 +263,8 @@ class Session:
             raise ValueError(f"attend_sequences needs one row per distinct sequence, got ids {seqs} "
                              f"for {query.shape[0]} rows")
         cache = self._layer_cache(layer, scale, None, None)
-        return self._attend_rows(cache, seqs, query, key, value, scale, softcap, sinks)
+        with self._storing(seqs):
+            return self._attend_and_store(cache, seqs, query, key, value, scale, softcap, sinks, None)
 
     def release(self, seq: int) -> None:
         """Forget sequence `seq` in every layer: its pool slots go back to each layer's free list."""
@@ -320,22 +323,17 @@ class Session:
                 return cache.columns
         return 0
 
-    def _attend_rows(self, cache: LayerCache, seqs: Sequence[int], q, k, v, scale: float, softcap: float | None,
-                     sinks: torch.Tensor | None, prompt_end: Mapping[int, int] | None = None) -> torch.Tensor:
-        """Attend q[i] [Hq, T, d] of sequence seqs[i] over [its history ; its chunk k[i], v[i]],
-        then store the chunks. A decode step of the same sequences as the layer's last one goes
-        through its ``DecodeBatch`` where that takes it (runtime/decode_batch.py); otherwise decode
-        steps that can read the stored codes directly (C kernel on CPU, Triton on CUDA) go
-        together through one batched call, and the other rows one by one. `prompt_end`: sequence
-        -> the length its prompt reaches (`step`); a one-token chunk with more of its prompt to
-        come is a prompt chunk, not a decode step: its append is told the prompt's end.
-        An error on the way (the pool full, a budget that cannot be met) may leave a chunk stored
-        in part: its sequences then raise here until they are released."""
+    @contextmanager
+    def _storing(self, seqs: Sequence[int]):
+        """A call that stores chunks of `seqs`. Refused for a sequence an earlier error left stored
+        in part; an error on the way (the pool full, a budget that cannot be met) may leave this
+        call's chunks stored in part (some rows, some layers), so all of `seqs` then raise here
+        until they are released."""
         if self._unfinished:
             self._refuse_unfinished(seqs)
         try:
-            return self._attend_and_store(cache, seqs, q, k, v, scale, softcap, sinks, prompt_end)
-        except BaseException as error:  # the chunk may be stored in part, in some layers: not to be continued
+            yield
+        except BaseException as error:
             for seq in seqs:
                 self._unfinished.setdefault(seq, f"{type(error).__name__}: {error}")
             raise
@@ -352,7 +350,14 @@ class Session:
     def _attend_and_store(self, cache: LayerCache, seqs: Sequence[int], q, k, v, scale: float,
                           softcap: float | None, sinks: torch.Tensor | None,
                           prompt_end: Mapping[int, int] | None) -> torch.Tensor:
-        """`_attend_rows` once its sequences are known to be whole."""
+        """Attend q[i] [Hq, T, d] of sequence seqs[i] over [its history ; its chunk k[i], v[i]],
+        then store the chunks (inside `_storing`). A decode step of the same sequences as the
+        layer's last one goes through its ``DecodeBatch`` where that takes it
+        (runtime/decode_batch.py); otherwise decode steps that can read the stored codes directly
+        (C kernel on CPU, Triton on CUDA) go together through one batched call, and the other rows
+        one by one. `prompt_end`: sequence -> the length its prompt reaches (`step`); a one-token
+        chunk with more of its prompt to come is a prompt chunk, not a decode step: its append is
+        told the prompt's end."""
         prompt_end = prompt_end or {}
         prompt = {i for i, seq in enumerate(seqs) if prompt_end.get(seq, 0) > cache.length(seq) + q.shape[2]} \
             if prompt_end else set()  # a decode step's call says no prompt end: no walk over its sequences

@@ -101,6 +101,27 @@ def test_a_sequence_a_full_pool_stopped_raises_until_released_and_the_others_sta
     assert again.shape == (4, 8, 16) and torch.isfinite(again).all()
 
 
+def test_a_full_pool_in_a_padded_batch_stops_every_row_of_the_call():
+    """A batch with padding stores its rows apart: the full row went in before the padded row hit
+    the full pool (and the model's next layer never ran), so the full row is unfinished too; before,
+    it went on after the padded row's release, its layers holding different histories."""
+    config = kvtopo.Config.lossless(page_size=4, sink_tokens=0, recent_tokens=0, max_pages=3)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 2, 8, 8, generator=g), torch.randn(2, 2, 8, 8, generator=g)
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    valid[1, :2] = False
+    with kvtopo.session(config) as session:
+        with pytest.raises(PoolExhausted), session.step(valid):
+            for layer in ("a", "b"):
+                session.attend(layer, q, k, v, None, 0.35)
+        assert session.layers["a"].length(0) == 8 and "b" not in session.layers  # row 0 stored in layer a only
+        session.release(1)
+        with pytest.raises(RuntimeError, match=r"sequence\(s\) \[0\] hold a chunk stored in part"), \
+                session.step(torch.tensor([[True], [False]])):
+            session.attend("a", q[:, :, :1], k[:, :, :1], v[:, :, :1], None, 0.35)
+        assert session.layers["a"].length(0) == 8  # refused before anything was stored
+
+
 def test_double_release_is_an_error():
     pool = PagePool(1, 2, 2, 2, torch.float32, torch.device("cpu"))
     page = pool.allocate()
