@@ -116,16 +116,21 @@ def _chunk_length(node: fx.Node) -> str | None:
 
 
 def _positions_node(count: fx.Node) -> fx.Node | None:
-    """The node holding the positions: `count + 0` when that is the count's only use, the count
-    itself when no start is added; None when something else (a cache length) is added."""
-    users = list(count.users)
-    if len(users) == 1 and is_call(users[0], operator.add, torch.add, methods=("add",)):
-        add = users[0]
-        other = add.args[1] if add.args[0] is count else add.args[0]
-        return add if len(add.args) == 2 and not add.kwargs and _is_zero(other) else None
-    if any(is_call(u, operator.add, torch.add, operator.sub, torch.sub, methods=("add", "sub")) for u in users):
-        return None
-    return count
+    """The node holding the positions: `count + 0` when that is the only use of the count (seen
+    through views: `arange(T)[None, :] + 0`), the count itself when no start is added; None when
+    something else (a cache length) is added, before or after a view."""
+    node = count
+    while True:
+        users = list(node.users)
+        if len(users) == 1 and is_call(users[0], operator.add, torch.add, methods=("add",)):
+            add = users[0]
+            other = add.args[1] if add.args[0] is node else add.args[0]
+            return add if len(add.args) == 2 and not add.kwargs and _is_zero(other) else None
+        if any(is_call(u, operator.add, torch.add, operator.sub, torch.sub, methods=("add", "sub")) for u in users):
+            return None
+        if len(users) != 1 or not _same_values(users[0], node):
+            return count
+        node = users[0]
 
 
 def _descendants(node: fx.Node) -> set[fx.Node]:
@@ -147,15 +152,22 @@ _SAME_VALUES = ("view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as"
                 "to", "long", "int", "type")
 
 
-def _keeps_positions(user: fx.Node, node: fx.Node) -> bool:
-    """`user` still holds `node`'s positions, moved by at most a constant: a view or cast, a slice,
-    `+`/`-` a number, `*` an all-ones tensor built in the graph or the mask a count counts (OPT's
-    `cumsum(mask) * mask - 1`: padding stays at -1 under any shift)."""
+def _same_values(user: fx.Node, node: fx.Node) -> bool:
+    """`user` holds `node`'s values unchanged: a view or cast, a slice."""
     if is_call(user, torch.reshape, torch.unsqueeze, torch.squeeze, torch.flatten, methods=_SAME_VALUES):
         return user.args[0] is node
     if is_call(user, operator.getitem):
         index = user.args[1] if isinstance(user.args[1], tuple) else (user.args[1],)
         return user.args[0] is node and all(i is None or i is Ellipsis or isinstance(i, slice) for i in index)
+    return False
+
+
+def _keeps_positions(user: fx.Node, node: fx.Node) -> bool:
+    """`user` still holds `node`'s positions, moved by at most a constant: a view or cast, a slice,
+    `+`/`-` a number, `*` an all-ones tensor built in the graph or the mask a count counts (OPT's
+    `cumsum(mask) * mask - 1`: padding stays at -1 under any shift)."""
+    if _same_values(user, node):
+        return True
     other = [a for a in user.args if a is not node]
     if is_call(user, operator.add, torch.add, operator.sub, torch.sub, methods=("add", "sub")):
         return len(user.args) == 2 and user.args[0] is node and len(other) == 1 and isinstance(other[0], (int, float))
@@ -354,14 +366,15 @@ def rewrite_sliced_table_sites(gm: fx.GraphModule, sites: list[SlicedTable]) -> 
 
 
 def _given_positions(node: fx.Node) -> tuple[fx.Node, str] | None:
-    """(node, token count) for integer positions passed to the graph, [T] or [B, T], named as
+    """(node, token count) for integer positions passed to the graph, [T], [B, T] or mrope's
+    [3, B, T] (Qwen2-VL: a temporal, height and width position per token), named as
     positions (`position_ids`, `cache_position`, `pos`, as Dynamo names an input after its source):
     token ids pick rows of a table too (the token embedding), and a mask may be counted into
     positions, so an input is taken for positions by its name."""
     value = node.meta.get("example_value")
     if node.op != "placeholder" or model_tensor(node) or not isinstance(value, torch.Tensor):
         return None
-    if value.dim() not in (1, 2) or value.dtype not in (torch.int64, torch.int32):
+    if value.dim() not in (1, 2, 3) or value.dtype not in (torch.int64, torch.int32):  # 3: mrope's [3, B, T]
         return None
     return (node, str(value.shape[-1])) if "pos" in (source_name(node) or node.name).lower() else None
 

@@ -412,6 +412,34 @@ class _TableBlock(torch.nn.Module):
         return self.head(y.transpose(1, 2).reshape(1, -1, 32))
 
 
+class _OffsetRotaryBlock(_TableBlock):
+    """Rotary positions `arange(T)[None, :] + offset`, the caller passing the stored length as `offset`."""
+
+    def forward(self, input_ids, offset=0):
+        x = self.embed(input_ids)
+        positions = torch.arange(input_ids.shape[1])[None, :] + offset
+        angles = positions[..., None].float() * torch.logspace(0, -2, 4)
+        cos, sin = torch.cat([angles, angles], -1).cos()[:, None], torch.cat([angles, angles], -1).sin()[:, None]
+        q, k, v = (t.view(1, -1, 4, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        q, k = (z * cos + torch.cat([-z[..., 4:], z[..., :4]], -1) * sin for z in (q, k))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(y.transpose(1, 2).reshape(1, -1, 32))
+
+
+def test_an_offset_the_caller_adds_after_a_view_is_not_added_again():
+    """The caller's start, added after a view of the count, makes the positions the caller's: the
+    pass took the count for one starting at 0 (it looked for the add among the count's own users
+    only) and the store's length was added a second time."""
+    model = _OffsetRotaryBlock().eval()
+    ids = _ids(seed=9, length=30)
+    with torch.no_grad():
+        expected = model(ids)
+    compiled = torch.compile(model, backend="kvtopo")
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
+        chunks = [compiled(ids[:, a:b], offset=a) for a, b in ((0, 11), (11, 29), (29, 30))]
+    torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-4, rtol=0)
+
+
 def test_a_cast_table_picked_by_row_and_columns_continues_from_the_store():
     model = _TableBlock().eval()
     ids = _ids(seed=9, length=30)
@@ -511,3 +539,29 @@ def test_generate_after_calls_in_a_session_still_compresses():
         got = kvtopo.generate(model, ids[:, :20], max_new_tokens=5)
     assert torch.equal(got, expected)
     assert REPORTS and all(r.sites and not r.refusals for r in REPORTS), [r.format() for r in REPORTS]
+
+
+def test_mrope_position_ids_are_checked_and_a_restart_over_a_stored_history_raises():
+    """Qwen2-VL's text positions come as [3, B, T] (temporal, height, width: equal for text): continued
+    ones are exact, a restart at 0 over the stored tokens raises (the 3-D input was not checked)."""
+    import transformers
+
+    text = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, initializer_range=0.25, max_position_embeddings=256, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1000.0})
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, in_channels=3, patch_size=2,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=150, video_token_id=151,
+                                        vision_start_token_id=152)
+    config._attn_implementation = config.text_config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    ids = _ids(seed=4, length=32) % 149
+    expected = _full_logits(model, ids)
+    kvtopo.compile(model, inductor=False)
+    mrope = lambda a, b: torch.arange(a, b)[None, None].expand(3, 1, -1)  # noqa: E731
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless(page_size=8)):
+        chunks = [model(input_ids=ids[:, a:b], position_ids=mrope(a, b)).logits for a, b in ((0, 16), (16, 32))]
+        with pytest.raises(RuntimeError, match="numbers its 16 token.s. from 0 while the session holds 32"):
+            model(input_ids=ids[:, :16], position_ids=mrope(0, 16))
+    torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-4, rtol=0)
