@@ -37,22 +37,26 @@ from .ops import DECOMPOSITIONS
 
 
 @torch.library.custom_op("kvtopo::positions", mutates_args=())
-def positions(positions: torch.Tensor, model_key: torch.Tensor) -> torch.Tensor:
+def positions(positions: torch.Tensor, model_key: torch.Tensor, real_tokens: bool = False) -> torch.Tensor:
     """`positions` (the chunk's positions counted from 0) shifted by the active session's length
     for the model `model_key` belongs to (the parameter its attention ops pass as their
-    `model_key`); unchanged (a copy) outside a session."""
+    `model_key`); unchanged (a copy) outside a session. `real_tokens`: the positions count each
+    row's real tokens ([B, T], OPT's count of its mask), so each row is shifted by the tokens it
+    stores, its padding not counted (the batch's columns count it)."""
     session = active_store()
     if session is None:
         return positions.clone()
+    if real_tokens:
+        return positions + session.model_row_tokens(model_key, positions.shape[0]).to(positions.device)[:, None]
     return positions + session.model_length(model_key)
 
 
 @positions.register_fake
-def _positions_fake(positions, model_key):
+def _positions_fake(positions, model_key, real_tokens=False):
     return torch.empty_like(positions)
 
 
-def _positions_decomposition(positions, model_key):
+def _positions_decomposition(positions, model_key, real_tokens=False):
     return positions.clone()
 
 

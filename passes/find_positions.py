@@ -282,8 +282,10 @@ def _sites(gm: fx.GraphModule, positions_at) -> list[PositionSite]:
 
 
 def rewrite_position_sites(gm: fx.GraphModule, sites: list[PositionSite]) -> int:
-    """Put `kvtopo.positions(pos, model_key)` between each site's positions and all their users."""
-    return _route(gm, sites, torch.ops.kvtopo.positions.default)
+    """Put `kvtopo.positions(pos, model_key, real_tokens)` between each site's positions and all
+    their users; `real_tokens` for a count of a mask, which numbers each row's real tokens."""
+    return _route(gm, sites, torch.ops.kvtopo.positions.default,
+                  lambda site: (_counted_mask(site.node) is not None,))
 
 
 @dataclass(frozen=True)
@@ -409,9 +411,9 @@ def rewrite_given_position_sites(gm: fx.GraphModule, sites: list[PositionSite]) 
     return _route(gm, sites, torch.ops.kvtopo.given_positions.default)
 
 
-def _route(gm: fx.GraphModule, sites: list[PositionSite], op) -> int:
-    """Put `op(pos, model_key)` between each site's positions and all their users, after both (and
-    after the graph's inputs)."""
+def _route(gm: fx.GraphModule, sites: list[PositionSite], op, more=lambda site: ()) -> int:
+    """Put `op(pos, model_key, *more(site))` between each site's positions and all their users,
+    after both (and after the graph's inputs)."""
     graph = gm.graph
     order = {node: i for i, node in enumerate(graph.nodes)}
     for site in sites:
@@ -419,7 +421,7 @@ def _route(gm: fx.GraphModule, sites: list[PositionSite], op) -> int:
         while after.next.op == "placeholder":
             after = after.next
         with graph.inserting_after(after):
-            new = graph.call_function(op, (site.node, site.model_key))
+            new = graph.call_function(op, (site.node, site.model_key, *more(site)))
         new.meta.update({k: v for k, v in site.node.meta.items() if k in ("example_value", "stack_trace")})
         site.node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
     graph.lint()

@@ -314,6 +314,13 @@ class Session:
         names = {name for key, (ref, name) in self._models.items() if parameters.get(key) is ref() is not None}
         return [cache for layer, cache in self.layers.items() if layer.split("/")[0] in names]
 
+    def model_row_tokens(self, model_key: torch.Tensor, batch: int) -> torch.Tensor:
+        """The tokens each of `batch` rows stores for the model `model_key` belongs to ([batch]
+        int64; padding is never stored): where a model numbers a row's tokens by its mask (OPT)."""
+        prefix = self.model_name(model_key) + "/"
+        cache = next((cache for name, cache in self.layers.items() if name.startswith(prefix)), None)
+        return torch.tensor([cache.length(row) if cache is not None else 0 for row in range(batch)])
+
     def model_length(self, model_key: torch.Tensor) -> int:
         """The length HF's cache would report for the model `model_key` belongs to: the batch's
         columns its forwards attended, padding included (a left-padded row stores fewer tokens)."""

@@ -348,6 +348,25 @@ def test_a_count_of_the_callers_mask_continues_from_the_store():
     torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-4, rtol=0)
 
 
+def test_a_count_of_a_padded_rows_mask_continues_from_its_stored_tokens():
+    """OPT numbers a row's real tokens (its mask's count); a left-padded row's chunks must continue
+    from the tokens it stores, not from the batch's columns, which count its padding too."""
+    model = _learned_positions_model("opt", "eager")
+    ids = torch.cat([_ids(seed=12, length=30), _ids(seed=13, length=30)])
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[0, :5] = 0
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask, use_cache=False).logits
+    kvtopo.compile(model, inductor=False)
+    chunks = []
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
+        for a, b in ((0, 13), (13, 29), (29, 30)):
+            with s.step(mask[:, a:b].bool()):
+                chunks.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, a:b]).logits)
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(chunks, 1)[real], expected[real], atol=1e-4, rtol=0)
+
+
 def test_a_count_that_includes_the_cache_length_is_not_shifted_again():
     """Through HF's cache API (`SessionCache`) OPT counts ones over past + T tokens and slices at the
     cache's length: already continued, so it must not be shifted by the store once more."""
