@@ -20,7 +20,7 @@ from kvtopo.kernels.decode_inputs import pool_rows
 
 from .codecs import (MidSegment, RecentPage, decode_recent_pages, encode_recent, encode_recent_pages, fit_bases,
                      recent_page_at)
-from .lifecycle import BudgetExceeded, Lifecycle, PageState, SequenceState, page_room
+from .lifecycle import Lifecycle, PageState, SequenceState, page_room
 from .page_pool import PagePool
 from .phases import Phase
 from .policies import Policy, ScoreInputs
@@ -553,11 +553,11 @@ class LayerCache(Lifecycle):
         # prompt's end when the caller said it, else this append's end: the group alone).
         room = page_room(budget, held, held - self.mid_nbytes(entry), len(group) * P,
                          self.mid_tokens_coming(entry, length), self.config, self.fp16_token_bytes())
-        if room < 0 and self.config.over_budget == "raise":
-            raise BudgetExceeded(
-                f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {length} tokens: "
-                f"the exact/Recent pages and metadata will hold {budget - room:.0f} bytes; lower "
-                "sink_tokens/recent_tokens, or allow over_budget='evict'")
+        # Pages that keep no token still cost their Mid bytes (`empty` each): under "raise" the
+        # room must hold that much, or the store would end over budget without raising.
+        if room < len(group) * empty and self.config.over_budget == "raise":
+            raise self.budget_exceeded(budget, length, held, self.mid_nbytes(entry), len(group), len(group) * empty,
+                                       settled=True)
         taken = int((cost <= room).sum())  # cost only grows along `picked`
         keep = torch.bincount(picked[:taken] // P, minlength=len(group))
         if self.mid_encoding.max_tokens is not None:

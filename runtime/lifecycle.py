@@ -336,12 +336,39 @@ class Lifecycle:
                          self.config, self.fp16_token_bytes())
         if keep > 0 and self.mid_page_nbytes(seq, keep) > room:
             keep = self._rows_within(seq, keep, room)
-        if keep == 0 and room < 0 and self.config.over_budget == "raise":
-            raise BudgetExceeded(
-                f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {length} tokens: the "
-                f"exact/Recent pages and metadata already hold {held:.0f} bytes; lower sink_tokens/recent_tokens, "
-                "or allow over_budget='evict'")
+        # A page that keeps no token still costs its Mid bytes (its row count): under "raise" the
+        # room must hold that much, or the store would end over budget without raising.
+        if keep == 0 and self.config.over_budget == "raise" and room < (empty := self.mid_page_nbytes(seq, 0)):
+            raise self.budget_exceeded(budget, length, held, self.mid_nbytes(seq), 1, empty, settled=False)
         return keep
+
+    @staticmethod
+    def budget_exceeded(budget: float, length: int, held: float, mid: float, pages: int, empty: float,
+                        settled: bool) -> BudgetExceeded:
+        """The error for `pages` pages entering Mid that cannot fit the budget even keeping no
+        token (`empty` bytes together), beside the `held` bytes of which `mid` are Mid tokens
+        earlier pages kept (with their bases). `settled`: `held` is what the append's end will
+        hold; else what is held now, while the pages the append moves after these still hold
+        what they held before it (a Terminal page leaving for Recent, its exact slot)."""
+        fixed = held - mid
+        where = f"{fixed:.0f} in exact/Recent pages and metadata"
+        if not settled:
+            where += " (as they are now: the pages this append moves after these are not re-encoded yet)"
+        if mid > 0:
+            where = (f"{mid:.0f} in Mid tokens that earlier pages kept (a Mid page's tokens are chosen once, when it "
+                     f"enters Mid, so those pages cannot give bytes back) and {where}")
+        if mid > 0 and fixed + empty <= budget:
+            advice = ("a budget met exactly when those pages entered Mid leaves no room for the pages that enter "
+                      "it later (as decoding crosses page boundaries): loosen the budget (lower target_ratio, "
+                      "higher layer_budget_bytes), or allow over_budget='evict' (keeps going, reports the miss in "
+                      "stats().budget_missed)")
+        else:
+            advice = ("lower sink_tokens/recent_tokens, loosen the budget (lower target_ratio, higher "
+                      "layer_budget_bytes), or allow over_budget='evict'")
+        return BudgetExceeded(
+            f"KV budget of {budget:.0f} bytes per sequence-layer cannot be met at {length} tokens: the {pages} "
+            f"page(s) entering Mid cost {empty:.0f} bytes even keeping no token, beside {held:.0f} bytes held: "
+            f"{where}; {advice}")
 
     def mid_row_costs(self, seq: SequenceState) -> tuple[int, int, int]:
         """A Mid page's bytes as it keeps rows: (kept none, what the first row adds: it also

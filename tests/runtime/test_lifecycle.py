@@ -245,6 +245,72 @@ def test_unmeetable_budget_evicts_and_reports_the_miss():
     assert mid.tokens == 0 and mid.keys.page_rows.tolist() == [0] * 8  # every Mid page evicted whole
 
 
+@pytest.mark.parametrize("scope, recent_bits", [("append", 8), ("page", None)])
+def test_raise_never_leaves_the_store_over_budget(scope, recent_bits):
+    """Under over_budget="raise" a Mid page that keeps no token still costs bytes (its row
+    count), so a budget the exact/Recent pages and metadata fit, but not with the Mid pages
+    kept empty beside them, must raise: the store is within its budget after every append, or
+    BudgetExceeded says why. Scanned over the budgets around that point, prompt then decode:
+    under "append" the prompt's pages enter Mid by the joint plan; a decode step's page boundary
+    moves one page alone (`Lifecycle.keep_count`; with Recent exact the Terminal page leaving
+    for Recent keeps its bytes as it moves, so no transient slot hides the overshoot)."""
+    config = kvtopo.Config(page_size=8, sink_tokens=8, recent_tokens=16, recent_bits=recent_bits, target_ratio=None,
+                           observation_window=4, eviction_scope=scope)
+    n, chunks = 110, [100] + [1] * 10
+    k, v = _structured_kv(n, heads=2, dim=16)
+    q = torch.randn(1, 4, n, 16, generator=torch.Generator().manual_seed(1))
+
+    def run(budget, over_budget):
+        """Bytes held past the budget after the prompt; under "raise" checks after every append
+        that the store is within its budget (raises what the store raises)."""
+        with kvtopo.session(config.replace(layer_budget_bytes=budget, over_budget=over_budget)) as s:
+            start, over = 0, []
+            for size in chunks:
+                s.attend("l", q[:, :, start:start + size], k[None, :, start:start + size],
+                         v[None, :, start:start + size], None, 0.25)
+                start += size
+                cache = s.layers["l"]
+                over.append(cache.sequence_nbytes(cache.sequences[0]) - budget)
+                assert (over[-1] > 0) == s.stats().budget_missed
+                assert over_budget == "evict" or over[-1] <= 0, (budget, start, over)
+            return over[0]
+
+    # After the prompt, every Mid page evicted whole: the least the store can hold then.
+    least = run(1, "evict") + 1
+    outcomes = set()
+    for budget in [*range(least - 100, least + 40, 3), least + 10000]:
+        try:
+            run(budget, "raise")
+            outcomes.add("within")
+        except BudgetExceeded:
+            outcomes.add("raised")
+    assert outcomes == {"raised", "within"}
+
+
+def test_budget_exceeded_after_the_prompt_names_the_mid_tokens_kept_before():
+    """A prompt that meets a ratio budget exactly can leave a later page (here at a decode page
+    boundary) no room even keeping nothing: the bytes that stand in its way include the Mid
+    tokens the prompt's pages kept, which cannot be given back (chosen once, as each page
+    entered Mid). The error says so instead of blaming only the exact/Recent pages and metadata
+    (and advising to lower sink_tokens/recent_tokens)."""
+    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0, over_budget="raise")
+    n, dim = 1000, 32
+    g = torch.Generator().manual_seed(0)
+    k, v, q = (torch.randn(heads, n + 40, dim, generator=g).to(torch.float16) for heads in (2, 2, 4))
+    with kvtopo.session(config) as s:
+        s.attend("l", q[None, :, :n], k[None, :, :n], v[None, :, :n], None, dim ** -0.5)
+        assert not s.stats().budget_missed
+        with pytest.raises(BudgetExceeded, match="cannot be met") as error:
+            for pos in range(n, n + 40):
+                s.attend("l", q[None, :, pos:pos + 1], k[None, :, pos:pos + 1], v[None, :, pos:pos + 1], None,
+                         dim ** -0.5)
+        cache = s.layers["l"]
+        mid = cache.mid_nbytes(cache.sequences[0])
+    message = str(error.value)
+    assert mid > 0 and f"{mid} in Mid tokens that earlier pages kept" in message, message
+    assert "chosen once" in message and "exact/Recent pages and metadata already hold" not in message, message
+
+
 def _kept_per_page(config, chunks, n=1024, dim=32, with_segment=False):
     k, v = _structured_kv(n, heads=2, dim=dim, dtype=torch.float16)
     q = torch.randn(1, 4, n, dim, dtype=torch.float16, generator=torch.Generator().manual_seed(1))
