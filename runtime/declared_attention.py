@@ -4,8 +4,10 @@ HF builds no attention mask (SDPA's `is_causal` instead) for a chunk without pad
 longer than the layer's sliding window or block: a short prompt, and every decode step through
 `hf_cache.SessionCache`. Such a graph holds no window for the passes to read, and a session would
 attend over the whole history. A one-token graph cannot show that a layer attends both ways
-either. And a LongRoPE model (Phi-3) rotates with another factor once its positions pass
-`original_max_position_embeddings`, which keys already stored at the short factor do not follow;
+either. And RoPE that HF rescales from the longest position of a call (`dynamic_rope_update`)
+rotates keys already stored otherwise than one forward of the whole sequence does: LongRoPE
+(Phi-3) switches to its long factor once positions pass `original_max_position_embeddings`, and
+dynamic NTK scales its frequencies for the call's length past `max_position_embeddings`;
 Llama-4's NoPE layers scale their queries by a factor of a position they count from 0 without a cache.
 A hybrid model (Mamba-2 in Bamba, LFM2's short convolutions, Qwen3-Next's gated delta rule) keeps
 state outside attention that HF's cache carries and a session does not.
@@ -16,7 +18,8 @@ when a graph break made Dynamo compile a block or the attention module as a grap
 names its site relative to that module): a declared sliding window is applied (exactly what the
 model does; a mask passed in is checked against it), a block layer (Llama-4's `attention_chunk_size`) and a
 bidirectional layer are refused when the graph shows no mask, a chunk that carries a stored
-history across LongRoPE's switch is refused, and so is any call that continues a hybrid model.
+history across LongRoPE's switch or past dynamic NTK's limit is refused (`check_rescaled`), and so
+is any call that continues a hybrid model.
 """
 
 from __future__ import annotations
@@ -28,11 +31,19 @@ from typing import NamedTuple
 import torch
 
 
+class Rescaled(NamedTuple):
+    """RoPE whose frequencies HF picks, at each forward, from the call's longest position
+    (`dynamic_rope_update`): the keys a session stored were rotated for the calls they came in."""
+
+    rope_type: str  # "longrope" or "dynamic"
+    after: int  # positions up to this many tokens rotate as the model was trained
+
+
 class Declared(NamedTuple):
     window: int | None = None  # sliding window (tokens, the query's own included)
     blocks: int | None = None  # attends within blocks of this many tokens (attention_chunk_size)
     bidirectional: bool = False  # the module says it is not causal (`is_causal = False`)
-    rescaled_after: int | None = None  # LongRoPE's original_max_position_embeddings
+    rescaled: Rescaled | None = None  # LongRoPE's or dynamic NTK's rescaling (`check_rescaled`)
     temperature_from: int | None = None  # Llama-4's NoPE layers scale queries from this position on (floor_scale)
     state_elsewhere: str | None = None  # what else in the model carries tokens forward (a hybrid's other layers)
 
@@ -48,15 +59,66 @@ class _Registered(NamedTuple):
 _DECLARED: dict[int, _Registered] = {}
 
 
-def _longrope_switch(config) -> int | None:
-    """`original_max_position_embeddings` of a LongRoPE config (v5 `rope_parameters`, or the older
-    `rope_scaling`), else None."""
+def _rope_parameters(config, kind: str) -> list[dict]:
+    """The RoPE parameters that may rotate a layer of type `kind`: v5 `rope_parameters` (or the
+    older `rope_scaling`), one dict for the model or, Gemma3-style, one per layer type. The
+    declaration is per layer: a nested dict gives the layer's own type's entry; nested under labels
+    that are not layer types (`_rope_type_labels`: DeepSeek-V4, LFM3), which this cannot map to a
+    layer, every entry counts, so a rescaling any of them uses is declared for every layer."""
     for rope in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
-        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "longrope":
-            switch = rope.get("original_max_position_embeddings",
-                              getattr(config, "original_max_position_embeddings", None))
-            return switch if isinstance(switch, int) else None
+        if not isinstance(rope, dict) or not rope:
+            continue
+        if "rope_type" in rope or "type" in rope:
+            return [rope]
+        if isinstance(rope.get(kind), dict):
+            return [rope[kind]]
+        nested = [entry for entry in rope.values() if isinstance(entry, dict)]
+        if nested:
+            return nested
+    return []
+
+
+def _rescaled(config, kind: str) -> Rescaled | None:
+    """What HF's `dynamic_rope_update` rescales for a layer of type `kind`: LongRoPE's switch to its
+    long factor past `original_max_position_embeddings` (the rope dict's, as HF reads it; Phi-3
+    keeps it on the config too), or dynamic NTK's scaling past `max_position_embeddings` (the
+    rotary embedding's `original_max_seq_len`, what `_compute_dynamic_ntk_parameters` divides by);
+    None for a rope that does not depend on the call's length."""
+    for rope in _rope_parameters(config, kind):
+        rope_type = rope.get("rope_type", rope.get("type"))
+        if rope_type == "longrope":
+            after = rope.get("original_max_position_embeddings", getattr(config, "original_max_position_embeddings",
+                                                                         getattr(config, "max_position_embeddings", None)))
+        elif isinstance(rope_type, str) and "dynamic" in rope_type:  # the test `dynamic_rope_update` makes
+            rope_type, after = "dynamic", getattr(config, "max_position_embeddings", None)
+        else:
+            continue
+        if isinstance(after, int):
+            return Rescaled(rope_type, after)
     return None
+
+
+def check_rescaled(layer: str, rescaled: Rescaled | None, stored: int, chunk: int) -> None:
+    """Raises for a chunk of `chunk` tokens after `stored` ones whose rotation would differ from one
+    forward of the whole sequence, HF's generate prefill. LongRoPE: a chunk that takes the stored
+    keys, rotated with the short factor, past the switch (HF's generate re-prefills there). Dynamic
+    NTK: a chunk of more than one token ending past the limit, whose frequencies HF scales for its
+    end while the stored keys were scaled for theirs (unscaled below the limit); a decode step
+    scales its one token as HF's cached decode does, so it stays exact."""
+    if rescaled is None or not stored:
+        return
+    after, end = rescaled.after, stored + chunk
+    if rescaled.rope_type == "longrope" and stored <= after < end:
+        raise ValueError(f"attention site {layer!r}: LongRoPE switches to its long factor after {after} tokens "
+                         f"(original_max_position_embeddings), and this chunk takes the {stored} stored tokens, "
+                         f"rotated with the short factor, to {end}; prefill a prompt longer than "
+                         f"{after} tokens in one chunk, or start a new session")
+    if rescaled.rope_type == "dynamic" and chunk > 1 and end > after:
+        raise ValueError(f"attention site {layer!r}: dynamic NTK RoPE scales its frequencies for the length of the "
+                         f"call once it passes {after} tokens (max_position_embeddings), and this chunk of {chunk} "
+                         f"tokens takes the {stored} stored tokens, rotated for the calls they came in, to {end}; "
+                         "prefill the whole prompt in one chunk (prefill_chunk_size >= the prompt's length; decode "
+                         "steps of one token are exact), or start a new session")
 
 
 def _state_layer_types() -> frozenset[str]:
@@ -117,7 +179,7 @@ def _declared_for(module: torch.nn.Module, config, index: int, state_elsewhere: 
         window=window if kind == "sliding_attention" and isinstance(window, int) else None,
         blocks=blocks if kind == "chunked_attention" and isinstance(blocks, int) else None,
         bidirectional=getattr(module, "is_causal", True) is False,
-        rescaled_after=_longrope_switch(config),
+        rescaled=_rescaled(config, kind),
         temperature_from=_temperature_tuning(module),
         state_elsewhere=state_elsewhere,
     )
@@ -126,7 +188,8 @@ def _declared_for(module: torch.nn.Module, config, index: int, state_elsewhere: 
 def declare(model: torch.nn.Module) -> str | None:
     """Register what `model`'s config says of its attention modules (HF modules with a
     `layer_idx`): windows and blocks (`config.layer_types`, else `config.sliding_window` for every
-    layer), modules that are not causal, LongRoPE's switch, state a hybrid keeps elsewhere.
+    layer), modules that are not causal, LongRoPE's and dynamic NTK's rescaling, state a hybrid
+    keeps elsewhere.
     Returns that state outside attention (`state_outside_attention`), None if there is none."""
     model = getattr(model, "_orig_mod", model)  # what torch.compile wraps: its names are the graph's
     layers, state_elsewhere = {}, state_outside_attention(model)

@@ -557,10 +557,10 @@ def _declared_window(layer: str, declared: declared_attention.Declared) -> int |
 
 def _check_continuation(layer: str, declared: declared_attention.Declared, stored: int, chunk: int) -> None:
     """What the model's config says a session cannot continue, given the `stored` tokens and the
-    new `chunk`: a hybrid's state outside attention (any continuation); LongRoPE's switch of factors
-    (keys stored with the short factor, a chunk taking them past `original_max_position_embeddings`:
-    HF's own generate drops its cache there and starts over); Llama-4's temperature tuning (positions
-    counted from 0 without a cache, so exact only below `floor_scale`)."""
+    new `chunk`: a hybrid's state outside attention (any continuation); RoPE that HF rescales from a
+    call's length (`declared_attention.check_rescaled`: LongRoPE's switch of factors, dynamic NTK);
+    Llama-4's temperature tuning (positions counted from 0 without a cache, so exact only below
+    `floor_scale`)."""
     if not stored:
         return
     if declared.state_elsewhere is not None:
@@ -568,12 +568,7 @@ def _check_continuation(layer: str, declared: declared_attention.Declared, store
                          f"({declared.state_elsewhere}) a kvtopo session does not carry from one call to the next; "
                          "only a single forward of the whole sequence is exact (kvtopo.generate falls back to the "
                          "model's own cache)")
-    switch = declared.rescaled_after
-    if switch is not None and stored <= switch < stored + chunk:
-        raise ValueError(f"attention site {layer!r}: LongRoPE switches to its long factor after {switch} tokens "
-                         f"(original_max_position_embeddings), and this chunk takes the {stored} stored tokens, "
-                         f"rotated with the short factor, to {stored + chunk}; prefill a prompt longer than "
-                         f"{switch} tokens in one chunk, or start a new session")
+    declared_attention.check_rescaled(layer, declared.rescaled, stored, chunk)
     tuned = declared.temperature_from
     if tuned is not None and stored + chunk >= tuned:
         raise ValueError(f"attention site {layer!r} scales its queries by a factor of their position from position "

@@ -1,5 +1,8 @@
 """What a model's config declares and a graph cannot show: a module that is not causal, called one
-token at a time, and LongRoPE's switch of factors, which a stored history cannot cross."""
+token at a time, and RoPE that HF rescales from a call's length (LongRoPE's switch of factors,
+dynamic NTK), which a stored history cannot cross."""
+
+import copy
 
 import pytest
 import torch
@@ -80,6 +83,90 @@ def test_longrope_within_one_side_of_the_switch_is_exact():
     kvtopo.compile(model, inductor=False)
     for ids, want in zip((short, long), expected):
         assert torch.equal(kvtopo.generate(model, ids, max_new_tokens=8), want)
+
+
+LIMIT = 32
+CHUNKED, ONE_CHUNK = (kvtopo.Config.lossless(page_size=8, prefill_chunk_size=size) for size in (16, 64))
+
+
+def _dynamic_ntk(spelling):
+    """Llama with dynamic NTK RoPE: HF scales its frequencies for max(position_ids) + 1 once that
+    passes max_position_embeddings, so a one-forward prefill of 40 tokens rotates every key for 40."""
+    rope = ({"rope_parameters": dict(rope_type="dynamic", factor=4.0, rope_theta=100.0)} if spelling == "rope_parameters"
+            else {"rope_scaling": dict(type="dynamic", factor=4.0), "rope_theta": 100.0})
+    config = transformers.LlamaConfig(**rope, max_position_embeddings=LIMIT, hidden_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128, vocab_size=256,
+                                      pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_dynamic_ntk_chunked_prefill_past_the_limit_raises():
+    """A 36-token prompt (past LIMIT) prefilled in one chunk and a 30-token prompt decoded past it
+    give HF generate's tokens: decode steps scale their one token as HF's cached decode does. The
+    36-token prompt in chunks of 16 raises: its last chunk would rotate for 36 while the 32 stored
+    keys were not rescaled (before, tokens other than HF's, silently). HF's rotary embedding keeps
+    the length it last scaled for until a call stays below the limit, as each case here starts."""
+    model = _dynamic_ntk("rope_parameters")
+    reference, long, short = copy.deepcopy(model), _prompt(36, 7), _prompt(30, 8)
+    kvtopo.compile(model, inductor=False)
+    for ids, config, new in [(long, ONE_CHUNK, 3), (short, CHUNKED, 4)]:
+        with torch.no_grad():
+            expected = reference.generate(ids, max_new_tokens=new, do_sample=False)
+        assert torch.equal(kvtopo.generate(model, ids, new, config=config), expected)
+    with pytest.raises(ValueError, match=r"dynamic NTK RoPE .* passes 32 tokens .* chunk of 4 tokens takes the 32 "
+                                         r"stored tokens.* prefill the whole prompt in one chunk"):
+        kvtopo.generate(model, long, 3, config=CHUNKED)
+
+
+def _gemma3(full_attention_rope):
+    """Gemma3 with its RoPE set per layer type: the sliding layer's default, the full-attention
+    layer's `full_attention_rope`."""
+    rope = {"sliding_attention": dict(rope_type="default", rope_theta=10.0), "full_attention": full_attention_rope}
+    config = transformers.Gemma3TextConfig(
+        rope_parameters=rope, layer_types=["sliding_attention", "full_attention"], sliding_window=64,
+        max_position_embeddings=LIMIT if full_attention_rope["rope_type"] == "dynamic" else 256, head_dim=16,
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128,
+        vocab_size=256, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.Gemma3ForCausalLM(config).eval()
+
+
+def test_longrope_set_per_layer_type_is_declared_for_its_layers():
+    """Gemma3-style `rope_parameters` nested by layer type: before, only a top-level rope_type was
+    read, nothing was declared, and a chunk crossing the switch was silently wrong. The switch is
+    declared for the full-attention layer alone; exact on either side of it."""
+    from kvtopo.runtime import declared_attention
+
+    longrope = dict(rope_type="longrope", rope_theta=1000.0, original_max_position_embeddings=LIMIT,
+                    short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)])
+    model = _gemma3(longrope)
+    short, long = _prompt(20, 9), _prompt(40, 10)  # 20 + 8 stays short; 40 is long from its one-chunk prefill on
+    with torch.no_grad():
+        expected = [copy.deepcopy(model).generate(ids, max_new_tokens=8, do_sample=False) for ids in (short, long)]
+    kvtopo.compile(model, inductor=False)
+    for ids, want in zip((short, long), expected):
+        assert torch.equal(kvtopo.generate(model, ids, 8, config=ONE_CHUNK), want)
+    with pytest.raises(ValueError, match=f"attention site .*layers.1.self_attn.*LongRoPE switches to its long factor "
+                                         f"after {LIMIT} tokens"):
+        kvtopo.generate(model, long, 8, config=CHUNKED)
+    key = next(model.parameters())
+    assert declared_attention.declared(key, "model.layers.0.self_attn").rescaled is None  # the sliding layer's
+    assert declared_attention.declared(key, "model.layers.1.self_attn").rescaled == ("longrope", LIMIT)
+
+
+def test_dynamic_ntk_is_declared_for_its_layers_in_either_spelling():
+    """The older `rope_scaling={"type": "dynamic"}`, and dynamic NTK set per layer type."""
+    from kvtopo.runtime import declared_attention
+
+    found = []
+    for model in (_dynamic_ntk("rope_scaling"), _gemma3(dict(rope_type="dynamic", factor=4.0, rope_theta=100.0))):
+        declared_attention.declare(model)
+        found.append([declared_attention.declared(next(model.parameters()), f"model.layers.{i}.self_attn").rescaled
+                      for i in range(2)])
+    assert found == [[("dynamic", LIMIT)] * 2, [None, ("dynamic", LIMIT)]]  # Gemma3's sliding layer: default rope
 
 
 def _lfm2():
