@@ -238,3 +238,15 @@ def sliding_window_layers(model: torch.nn.Module) -> dict[int, int | None]:
         else:
             raise ValueError(f"layer {i}: layer type {layer_type!r} is neither sliding nor full attention")
     return windows
+
+
+def lfm2_hybrid() -> torch.nn.Module:
+    """A tiny LFM2: a short-convolution layer, then an attention layer. A hybrid, whose state outside
+    attention HF's cache carries and a kvtopo session (or an exported decode step) does not: what
+    the tests of that refusal build."""
+    config = transformers.Lfm2Config(layer_types=["conv", "full_attention"], hidden_size=64, num_attention_heads=4,
+                                     num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128, vocab_size=256,
+                                     pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.Lfm2ForCausalLM(config).eval()

@@ -71,20 +71,8 @@ def test_out_that_cannot_be_a_directory_is_refused_before_loading(tmp_path, caps
     assert message.format(tmp=tmp_path) in err, err
 
 
-def _lfm2():
-    """A hybrid: LFM2's short-convolution layer before its attention layer."""
-    import torch
-    import transformers
-
-    config = transformers.Lfm2Config(layer_types=["conv", "full_attention"], hidden_size=64, num_attention_heads=4,
-                                     num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128, vocab_size=256,
-                                     pad_token_id=0, bos_token_id=None, eos_token_id=None)
-    torch.manual_seed(0)
-    return transformers.Lfm2ForCausalLM(config).eval()
-
-
 @pytest.mark.parametrize("build, message", [
-    (_lfm2, "keeps state outside attention"),
+    (zoo.lfm2_hybrid, "keeps state outside attention"),
     (lambda: zoo.build("mistral-sw"), "export does not carry sliding windows"),
 ], ids=["hybrid", "sliding-window"])
 def test_model_the_export_refuses_is_named_without_a_traceback(tmp_path, capsys, build, message):

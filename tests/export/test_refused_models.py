@@ -15,16 +15,6 @@ from kvtopo.runtime.phases import Phase, PhasePlan
 from export_common import export_module, export_package
 
 
-def _lfm2():
-    """LFM2: a short-convolution layer before an attention layer (a hybrid)."""
-    config = transformers.Lfm2Config(layer_types=["conv", "full_attention"], hidden_size=64, num_attention_heads=4,
-                                     num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128, vocab_size=256,
-                                     pad_token_id=0, bos_token_id=None, eos_token_id=None)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.Lfm2ForCausalLM(config).eval()
-
-
 def _phi3_longrope():
     """Phi-3 with LongRoPE: its rotary embedding stores `long_inv_freq` on itself in the forward."""
     config = transformers.Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -43,7 +33,7 @@ def test_hybrid_model_is_refused_naming_its_state(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(NotImplementedError, match=r"keeps state outside attention \(.*Lfm2ShortConv.*\), which the "
                                                   r"exported decode step does not carry between calls"):
-        export_package().export_onnx(_lfm2(), out, max_context=64)
+        export_package().export_onnx(zoo.lfm2_hybrid(), out, max_context=64)
     assert not out.exists()  # refused before the directory is made
 
 

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import kvtopo
+from kvtopo.models import zoo
 
 
 @pytest.fixture(autouse=True)
@@ -169,20 +170,11 @@ def test_dynamic_ntk_is_declared_for_its_layers_in_either_spelling():
     assert found == [[("dynamic", LIMIT)] * 2, [None, ("dynamic", LIMIT)]]  # Gemma3's sliding layer: default rope
 
 
-def _lfm2():
-    config = transformers.Lfm2Config(layer_types=["conv", "full_attention"], hidden_size=64, num_attention_heads=4,
-                                     num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128, vocab_size=256,
-                                     pad_token_id=0, bos_token_id=None, eos_token_id=None)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.Lfm2ForCausalLM(config).eval()
-
-
 @pytest.mark.parametrize("how", COMPILES)
 def test_a_hybrid_model_is_not_continued_in_a_session(how):
     """LFM2's short convolutions carry the last tokens into the next call through HF's cache; a
     session stores only attention, so a second call would start them from zeros."""
-    model = _compiled(_lfm2(), how)
+    model = _compiled(zoo.lfm2_hybrid(), how)
     ids = _prompt(24, 3)
     with torch.no_grad():
         expected = model(input_ids=ids, use_cache=False).logits
@@ -196,7 +188,7 @@ def test_a_hybrid_model_is_not_continued_in_a_session(how):
 def test_a_session_cache_for_a_hybrid_model_is_refused():
     """HF's hybrid layers read their state from the cache generate passes (before, a SessionCache
     failed deep in HF with an IndexError)."""
-    model = kvtopo.compile(_lfm2(), inductor=False)
+    model = kvtopo.compile(zoo.lfm2_hybrid(), inductor=False)
     with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as session:
         with pytest.raises(ValueError, match=r"Lfm2ForCausalLM keeps state outside attention \(.*Lfm2ShortConv"):
             kvtopo.hf_cache.generate(model, _prompt(20, 4), max_new_tokens=4, do_sample=False)
@@ -205,7 +197,7 @@ def test_a_session_cache_for_a_hybrid_model_is_refused():
 
 
 def test_generate_runs_a_hybrid_model_on_its_own_cache():
-    model = _lfm2()
+    model = zoo.lfm2_hybrid()
     ids = _prompt(20, 4)
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=6, do_sample=False)
