@@ -47,7 +47,7 @@ import torch
 
 from kvtopo.config import Config
 from kvtopo.runtime.codecs import HeadBases, MidSegment, RecentPage, encode_recent, fit_bases
-from kvtopo.runtime.lifecycle import Lifecycle, PageState, SequenceState
+from kvtopo.runtime.lifecycle import Lifecycle, PageState, SequenceState, check_value_energy
 from kvtopo.runtime.phases import Phase
 from kvtopo.runtime.policies import make_policy
 
@@ -73,6 +73,7 @@ class _Layer(Lifecycle):
         lay = runner.layout
         self.r, self.index = runner, index
         self.shared = bool(lay.shared_value_dim)
+        check_value_energy(self.config, self.mid_encoding, self.shared)
         self.scale = lay.scales[index]
         self.seq = SequenceState()
         self.mid_code_bytes = 0  # packed code bytes of keys + values

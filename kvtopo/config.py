@@ -59,8 +59,9 @@ class Config:
     (SmolLM2 at 2K, `bench/fidelity_configs.py`: mean KL to the full cache 0.076 with 64 tokens,
     0.003 with 256 at 8x; 4-bit Recent codes: 0.006 at fewer bytes).
     Mid (topo): tokens are stored in `mid_bits` bits (None = floats), keys per channel and
-    values per token; `key_energy` / `value_energy` (default None: no projection; both or
-    neither; topo and palu only) instead keep only the principal directions holding that
+    values per token; `key_energy` / `value_energy` (default None: no projection; topo and palu
+    only; `key_energy` alone projects an MLA latent, whose values are its keys, and a layer with
+    values of its own refuses it) instead keep only the principal directions holding that
     fraction of each kv-head's keys'/values' energy. Projection pays on low-rank heads (MLA latents); on a pretrained model's nearly
     full-rank heads dropping even 10% of a value's energy destroys copied tokens
     (bench/needle_configs.py), so it is opt-in. Tokens are evicted by the exp-free score of the latest
@@ -153,9 +154,12 @@ class Config:
             object.__setattr__(self, "key_energy", PALU_ENERGY)
             object.__setattr__(self, "value_energy", PALU_ENERGY)
         method = POLICIES[self.policy]
-        if (self.key_energy is None) != (self.value_energy is None):
-            raise ValueError(f"Config: key_energy={self.key_energy!r} and value_energy={self.value_energy!r}: set both "
-                             "(keys and values are projected together) or neither")
+        if self.value_energy is not None and self.key_energy is None:
+            raise ValueError(f"Config: value_energy={self.value_energy!r} without key_energy: values are projected only "
+                             "together with keys (key_energy alone projects the keys of an MLA latent, its values)")
+        if self.policy == "palu" and self.value_energy is None:
+            raise ValueError(f"Config: policy 'palu' projects keys and values alike: set both key_energy and "
+                             f"value_energy or neither, got key_energy={self.key_energy!r}, value_energy=None")
         if self.key_energy is not None and not method.projects:
             raise ValueError(f"Config: policy {self.policy!r} does not project onto principal directions; "
                              "key_energy / value_energy would be ignored (policies that do: topo, palu)")

@@ -20,7 +20,7 @@ from kvtopo.kernels.decode_inputs import pool_rows
 
 from .codecs import (MidSegment, RecentPage, decode_recent_pages, encode_recent, encode_recent_pages, fit_bases,
                      recent_page_at)
-from .lifecycle import Lifecycle, PageState, SequenceState, page_room
+from .lifecycle import Lifecycle, PageState, SequenceState, check_value_energy, page_room
 from .page_pool import PagePool
 from .phases import Phase
 from .policies import Policy, ScoreInputs
@@ -179,6 +179,7 @@ class LayerCache(Lifecycle):
         layer, whose queries see only the last `window` tokens: pages that leave the window go
         back to the pool (the session gives such layers an exact policy)."""
         super().__init__(config, policy)
+        check_value_energy(config, self.mid_encoding, bool(shared_value_dim))
         self.shared_value_dim = shared_value_dim
         self.window = window
         self.pool: PagePool | None = None

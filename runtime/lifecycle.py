@@ -28,7 +28,7 @@ import torch
 from kvtopo.config import Config
 
 from .phases import TRANSITIONS, Phase, PhasePlan
-from .policies import Policy
+from .policies import MidEncoding, Policy
 
 # A refit waits for an append that gives it at least this many tokens per head dimension to fit
 # on (a prefill chunk; decode steps alone would fit 128-dim bases on ~130 tokens).
@@ -56,6 +56,14 @@ def observed_positions(window: int, q_heads: int, kv_heads: int) -> int:
     cache."""
     group = max(1, q_heads // max(1, kv_heads))
     return window if group <= OBSERVED_GROUP else max(1, window * OBSERVED_GROUP // group)
+
+
+def check_value_energy(config: Config, mid_encoding: MidEncoding, shares_values: bool) -> None:
+    """A projected Mid fits value bases at `value_energy` for a layer whose values are its own:
+    `key_energy` alone projects the keys of an MLA latent only (its values are its keys)."""
+    if mid_encoding.project and not shares_values and config.value_energy is None:
+        raise ValueError(f"Config(key_energy={config.key_energy!r}) without value_energy projects an MLA latent's keys "
+                         "only; this layer stores values of its own: set value_energy too")
 
 
 class BudgetExceeded(RuntimeError):

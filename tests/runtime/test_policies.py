@@ -93,12 +93,25 @@ def test_every_baseline_is_registered_and_constructs_with_defaults():
 
 
 @pytest.mark.parametrize("policy", ["palu", "topo"])
-def test_a_half_projection_is_refused(policy):
-    """Keys and values are projected together: one energy alone crashed topo once a page reached Mid
-    (key_energy) or was ignored (value_energy)."""
-    for fields in (dict(key_energy=0.8), dict(value_energy=0.8)):
-        with pytest.raises(ValueError, match="set both"):
-            Config(policy=policy, **fields)
+def test_value_energy_alone_is_refused(policy):
+    """Values are projected only together with keys: value_energy alone was ignored."""
+    with pytest.raises(ValueError, match="value_energy=0.8 without key_energy"):
+        Config(policy=policy, value_energy=0.8)
+
+
+def test_palu_refuses_key_energy_alone():
+    with pytest.raises(ValueError, match="palu' projects keys and values alike"):
+        Config(policy="palu", key_energy=0.8)
+
+
+def test_key_energy_alone_is_refused_by_a_layer_with_values_of_its_own():
+    """key_energy alone projects an MLA latent's keys (its values); a layer with values of its own
+    refuses it before storing anything (it crashed once a page reached Mid)."""
+    config = Config(page_size=8, sink_tokens=8, recent_tokens=8, key_energy=0.9, target_ratio=None)
+    k, v = _kv(40)
+    with kvtopo.session(config) as s, pytest.raises(ValueError, match="without value_energy projects an MLA latent"):
+        s.attend("l", torch.randn(1, 4, 40, 16), k[None], v[None], None, 0.25)
+    assert not s.layers
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "h2o", "knorm", "streaming", "kivi"])
