@@ -174,11 +174,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch/kernel threads for every method (1: stable on a shared 2-core box)")
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--out", type=Path, default=RESULTS / "decode_speed.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default results/decode_speed.json (decode_speed_quick.json with --quick, "
+                         "decode_speed_batch.json with --batch)")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out's JSON")
     ap.add_argument("--batch", type=int, help="batch mode: this many sequences (see the module docstring)")
     ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), help=f"batch mode configs (default {BATCH_CONFIGS})")
     args = ap.parse_args()
+    if args.out is None:  # a quick run never replaces the full run's results
+        args.out = RESULTS / ("decode_speed_batch.json" if args.batch else
+                              "decode_speed_quick.json" if args.quick else "decode_speed.json")
     if args.batch:
         torch.set_num_threads(args.threads)
         batch_main(args)
@@ -393,7 +398,7 @@ def batch_main(args) -> None:
         "rows": rows,
         "summary": summary,
     }
-    out = args.out if args.out != RESULTS / "decode_speed.json" else RESULTS / "decode_speed_batch.json"
+    out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(summary, indent=2))

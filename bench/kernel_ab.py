@@ -13,7 +13,7 @@ store and query are bench/decode_speed.py's (one Llama-3-8B-shaped layer, or wit
 smollm2` one of SmolLM2's shape: 9 query heads, 3 kv-heads of 64 dims; structured K/V, one
 sequence grown to `--length`); the step is `cpu_decode_batch` over its DecodeSegments (the
 segments gathered once: only the kernel differs). Codes are warm (read by the previous call).
-Both builds' outputs are checked against each other and the float64 reference first.
+Each build's output is checked against the float64 reference first.
 
 Reports per config the minimum and the median of every round's minimum per build and the ratio
 candidate / base (below 1: the candidate is faster). A working-tree build is recorded with its

@@ -13,8 +13,11 @@ that prefill), then the rest of the conversation -- question, greedy answer, nex
 the compressed cache and explicit positions that continue the uncompressed ones, outside the
 press. The conversation loop and teacher forcing are real_quality.py's (`converse`,
 `forced_logits`), so both sides feed identical ids the same way. A press runs at
-`compression_ratio = 1 - 1/r` for nominal r; `kept` is the cache's tokens after the prefill over
-the tokens prefilled, averaged over layers (KVzip's per-layer ratios differ). "full" is no press:
+`compression_ratio = 1 - 1/r` for nominal r; `kept` is the tokens the cache still shows attention
+at the end of each answer (of the forced text, in fidelity) over every token seen by then, on the
+basis kvtopo's `kept` uses (the question and answers, held uncompressed, count); `prefill_kept`
+is the cache's tokens after the prefill over the tokens prefilled. Both are averaged over layers
+(KVzip's per-layer ratios differ). "full" is no press:
 the kvpress environment's own full cache, the reference for KL and a check against kvtopo's.
 """
 
@@ -65,7 +68,7 @@ class PressForward:
         self.model, self.press = model, press
         self.cache = transformers.DynamicCache()
         self.position = 0
-        self.kept = None
+        self.prefill_kept = None
 
     def __call__(self, ids) -> torch.Tensor:
         first = self.position == 0
@@ -75,21 +78,25 @@ class PressForward:
             out = self.model(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True,
                              position_ids=torch.arange(self.position, self.position + n)[None], logits_to_keep=1)
         if first:
-            self.kept = kept_fraction(self.model, self.cache, n)
+            self.prefill_kept = kept_fraction(self.model, self.cache, n)
         self.position += n
         return out.logits[0, -1].float()
 
+    def kept(self) -> float:
+        """The share of every token seen so far that attention still sees."""
+        return kept_fraction(self.model, self.cache, self.position)
 
-def kept_fraction(model, cache, prefilled: int) -> float:
-    """The (layer, kv-head, token) entries attention still sees over those prefilled: what the cache
+
+def kept_fraction(model, cache, seen: int) -> float:
+    """The (layer, kv-head, token) entries attention still sees over `seen` tokens: what the cache
     holds, less what kvpress masks head-wise (`masked_key_indices`: KVzip keeps every token and
     hides the evicted ones from attention)."""
     heads = model.config.num_key_value_heads
-    seen = 0
+    held = 0
     for layer, block in zip(cache.layers, model.model.layers):
         masked = getattr(block.self_attn, "masked_key_indices", None)
-        seen += layer.keys.shape[-2] * heads - (len(masked[0]) if masked is not None else 0)
-    return seen / (len(cache.layers) * heads * prefilled)
+        held += layer.keys.shape[-2] * heads - (len(masked[0]) if masked is not None else 0)
+    return held / (len(cache.layers) * heads * seen)
 
 
 def make_press(name: str, nominal: float):
@@ -142,10 +149,11 @@ def main(argv=None) -> None:
         for example in request["examples"]:
             for setting, conv in example["settings"].items():
                 for name, nominal in methods:
-                    forward = PressForward(model, make_press(name, nominal))
-                    answers = converse(forward, conv["turns"], conv["max_new"], eos)
+                    forward, kept = PressForward(model, make_press(name, nominal)), []
+                    answers = converse(forward, conv["turns"], conv["max_new"], eos,
+                                       on_answer=lambda _: kept.append(forward.kept()))
                     rows.append(dict(id=example["id"], setting=setting, press=name, nominal=nominal, answers=answers,
-                                     kept=forward.kept))
+                                     kept=kept, prefill_kept=forward.prefill_kept))
                     progress(f"{example['id']} {setting} {name} {nominal:g}x")
         for text in request["fidelity"]:
             reference = None
@@ -157,7 +165,7 @@ def main(argv=None) -> None:
                     reference = logits
                 fidelity.append(dict(id=text["id"], length=text["length"], seed=text["seed"], press=name,
                                      nominal=nominal, kl=float(kl_rows(reference, logits).mean()), agree=agree,
-                                     kept=forward.kept))
+                                     kept=forward.kept(), prefill_kept=forward.prefill_kept))
                 progress(f"fidelity {text['id']} {name} {nominal:g}x")
     meta = dict(kvpress=getattr(kvpress, "__version__", None) or _version("kvpress"),
                 transformers=transformers.__version__, torch=torch.__version__, python=platform.python_version(),

@@ -18,15 +18,15 @@ fp16 cache costs 8 x 128 x 2 x 2 = 4096 bytes per token of this layer. Per lengt
    relative L2 error ||out - exact|| / ||exact|| over the D queries and 32 query heads.
 3. **Bytes** from ``session.stats()`` at the end: ``total_bytes`` (pool slots live *and free*,
    Recent/Mid encodings, metadata: block tables, head bases, observation queries, attention
-   mass), ``bytes_per_token`` = total / tokens held, ``ratio`` = fp16 bytes of those tokens /
+   mass), ``bytes_per_token`` = total / tokens seen, ``ratio`` = fp16 bytes of those tokens /
    total (``ratio_vs_fp16``); ``budget_missed`` as stats reports it (a non-evicting policy under
    the default 8x ``target_ratio`` reports the budget it does not meet).
 
 Prefill chunks skip their (discarded) outputs: computing them is what makes 32K-128K impossible
 on this machine (one 2048-token chunk over 128K of history is 2048 x 32 x 128K logits, 34 GB in
 float32; ~140 TFLOP over an uncompressed prefill, on 2 shared cores). ``store_chunk`` makes
-exactly the store calls ``Session._attend_one`` makes after its attention (``observe`` the
-chunk's queries, ``append`` its K/V), so the store ends up identical -
+exactly the store calls ``Session._attend_one`` makes after its attention (``observe`` all the
+chunk's queries, ``Inputs.chunk_queries``; ``append`` its K/V), so the store ends up identical -
 ``tests/runtime/test_policies.py`` checks it against ``attend`` prefill for every policy that
 does not track attention mass. H2O does: through ``attend``, pages still Terminal/Recent when a
 later chunk attends get that chunk's mass. With 2048-token chunks nearly every page goes from
@@ -119,6 +119,7 @@ import torch
 
 import kvtopo
 from kvtopo import Config
+from kvtopo.kernels.directions import principal_basis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memory_mla  # noqa: E402  (the MLA rows; a module next to this script)
@@ -189,7 +190,7 @@ class Inputs:
     and the D decode queries, generated per kv-head from one seed."""
 
     def __init__(self, n: int, decode: int, seed: int = 0):
-        self.n, self.decode = n, decode
+        self.n, self.decode, self.seed = n, decode, seed
         total = n + decode
         g = torch.Generator().manual_seed(seed)
         d = HEAD_DIM
@@ -272,11 +273,12 @@ class Inputs:
         x = rope(x, p)
         return x / x.norm(dim=-1, keepdim=True)
 
-    def queries(self, start: int, end: int, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def queries(self, start: int, end: int, targets: torch.Tensor | None = None,
+                g: torch.Generator | None = None) -> torch.Tensor:
         """Queries [Hq, end - start, d] float16 for positions start..end-1. targets [Hq, T]: the
         earlier token each query retrieves (-1: none); None: random earlier tokens for
-        PROMPT_RETRIEVAL_SHARE of them."""
-        g, d, t = self._g, HEAD_DIM, end - start
+        PROMPT_RETRIEVAL_SHARE of them. `g`: the random source (default: the inputs' own)."""
+        g, d, t = g if g is not None else self._g, HEAD_DIM, end - start
         pos = torch.arange(start, end)
         if targets is None:
             targets = (torch.rand(Q_HEADS, t, generator=g) * pos.clamp(min=1)).long()
@@ -295,6 +297,18 @@ class Inputs:
             out[j] = q
         # Components are in logit units: q . k * SCALE = weight x (key component / sqrt(d)).
         return out.half()
+
+    def chunk_queries(self, start: int, end: int) -> torch.Tensor:
+        """Every query of the prefill chunk start..end-1 [Hq, end - start, d], as `Session.attend`
+        observes them (topo ranks the chunk's own pages by them): the chunk's observation window
+        last, the queries before it drawn from a source seeded by the chunk, so that every run
+        (policy) sees the same ones without holding them all (1 GB at 128K)."""
+        window = self.windows[end]
+        before = end - window.shape[1]
+        if before <= start:
+            return window[:, start - end:]
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + start)
+        return torch.cat([self.queries(start, before, g=g), window], 1)
 
     def observation(self, end: int, question: bool) -> torch.Tensor:
         """The last `window` prompt queries before position `end` (the chunk's observation
@@ -327,12 +341,8 @@ def exact_decode(inputs: Inputs) -> torch.Tensor:
 
 def structure(inputs: Inputs, sample: int = 4096) -> dict:
     """Measured statistics of the synthetic layer (first `sample` tokens for the spectra)."""
-    d = HEAD_DIM
     def rank90(x):
-        x = x.double() - x.double().mean(0)
-        s = torch.linalg.svdvals(x)
-        c = (s * s).cumsum(0) / (s * s).sum()
-        return int((c < 0.9).sum()) + 1
+        return principal_basis(x, 0.9).vectors.shape[1]
     m = min(sample, inputs.n)
     krank = [rank90(inputs.keys[h, :m].float()) for h in range(KV_HEADS)]
     vrank = [rank90(inputs.values[h, :m].float()) for h in range(KV_HEADS)]
@@ -396,7 +406,7 @@ def run(inputs: Inputs, config: Config, reference: torch.Tensor | None, decode: 
     with kvtopo.session(config) as s:
         s.attend(LAYER, inputs.first_query[None], inputs.keys[None, :, :1], inputs.values[None, :, :1], None, SCALE)
         for a, b in prefill_chunks(n):
-            store_chunk(s, inputs.windows[b], inputs.keys[:, a:b], inputs.values[:, a:b])
+            store_chunk(s, inputs.chunk_queries(a, b), inputs.keys[:, a:b], inputs.values[:, a:b])
         prefill_bytes = s.stats().total_bytes
         if decode:  # the batch of decode queries: one call, causal among themselves
             out = s.attend(LAYER, inputs.decode_queries[None], inputs.keys[None, :, n:total],
@@ -642,12 +652,15 @@ def main(argv=None) -> int:
     parser.add_argument("--decode", type=int, default=None, help=f"decode queries measured (default {DECODE_QUERIES})")
     parser.add_argument("--no-match", action="store_true", help="defaults only, no matched-bytes tuning")
     parser.add_argument("--full-128k", action="store_true", help="at 128K also run every default and tune every knob")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"default {RESULTS.name} ({RESULTS.stem}_quick.json with --quick)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON at --out")
     parser.add_argument("--mla-tokens", type=int, default=MLA_TOKENS,
                         help=f"tokens of the DeepSeek-V3-shaped MLA rows (default {MLA_TOKENS}; 0: skip them)")
     args = parser.parse_args(argv)
+    if args.out is None:  # a quick run never replaces the full run's results
+        args.out = RESULTS.with_name(f"{RESULTS.stem}_quick.json") if args.quick else RESULTS
     if args.replot:
         plot(json.loads(args.out.read_text())["results"], args.out.with_suffix(".png"))
         return 0

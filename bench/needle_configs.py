@@ -48,10 +48,9 @@ import torch
 import kvtopo
 from kvtopo.kernels.directions import principal_basis
 from kvtopo.models.pretrained import chat_prompt, smollm2
-from kvtopo.models.real_tasks import prose_run
+from kvtopo.models.real_tasks import has_number, prose_run
 
 CITIES = ["Oslo", "Lima", "Cairo", "Quito", "Hanoi", "Dakar", "Perth", "Tunis"]
-NO_PROJECTION = dict(key_energy=None, value_energy=None)
 PROJECTED = dict(key_energy=0.9, value_energy=0.9)
 CONFIGS = {
     "full": kvtopo.Config.lossless(),
@@ -118,8 +117,9 @@ def main() -> None:
                 out = kvtopo.generate(model, ids, max_new_tokens=9)
                 ratio = s.stats().ratio_vs_fp16
             answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
-            examples.append(dict(tokens=ids.shape[1], number=number, answer=answer, found=number in answer, ratio=ratio))
-            print(f"  {name} example {i}: {ids.shape[1]} tokens, {answer!r} ({'found' if number in answer else 'MISSED'} "
+            found = has_number(number, answer)
+            examples.append(dict(tokens=ids.shape[1], number=number, answer=answer, found=found, ratio=ratio))
+            print(f"  {name} example {i}: {ids.shape[1]} tokens, {answer!r} ({'found' if found else 'MISSED'} "
                   f"{number}), {ratio:.2f}x", flush=True)
         found = sum(e["found"] for e in examples)
         mean_ratio = sum(e["ratio"] for e in examples) / len(examples)

@@ -83,8 +83,9 @@ aware, the document when agnostic), by evicting tokens and keeping the rest exac
 dtype; the question, the answers and the second turn stay uncompressed. kvtopo compresses as
 pages age, prefill and decode alike, and besides evicting it quantizes and projects (Recent pages
 8-bit by default, Mid pages per policy), so it keeps more tokens per byte; it reports the bytes it holds,
-kvpress reports the kept fraction. Tables and plots put kvpress at ``1 / kept`` (an fp16 cache
-of the kept tokens, metadata-free: its best case), marked "~". kvpress's own use is the agnostic
+kvpress reports the kept fraction, on kvtopo's basis (held at the end of each answer over every
+token seen; the runner's ``prefill_kept`` is the prefill's alone). Tables and plots put kvpress at
+``1 / kept`` (an fp16 cache of the kept tokens, metadata-free: its best case), marked "~". kvpress's own use is the agnostic
 setting (context compressed, question not); in the aware one its presses see the question, and
 at short prompts SnapKV's 64-token window (always kept, counted in the budget) can take the
 whole budget: at 512 tokens and 1/8 kept it holds little but the question. KVzip in kvpress
@@ -729,7 +730,7 @@ def main(argv=None) -> dict:
         by_id = {e["id"]: e for e in examples}
         for r in answer["rows"]:
             record("kvpress", r["press"], r["nominal"], r["setting"], by_id[r["id"]], r["answers"],
-                   [dict(ratio=1 / r["kept"], kept=r["kept"])] * len(r["answers"]))
+                   [dict(ratio=1 / kept, kept=kept) for kept in r["kept"]])
         for r in answer["fidelity"]:
             fidelity.append(dict(system="kvpress", method=r["press"], nominal=r["nominal"], length=r["length"],
                                  seed=r["seed"], kl=r["kl"], agree=r["agree"], kept=r["kept"], ratio=1 / r["kept"]))

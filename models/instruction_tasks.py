@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from .real_tasks import prose_run
+from .real_tasks import has_number, prose_run
 
 FACT_QUESTION = "{fact}"  # in a rule's question: the question about the document's fact
 
@@ -86,8 +86,7 @@ class InstructionExample:
         return RULES[self.rule].check(answer)
 
     def answered(self, answer: str) -> bool:
-        """The number itself, not inside a longer one (a compressed cache can add a digit)."""
-        return re.search(rf"(?<!\d){self.number}(?!\d)", answer) is not None
+        return has_number(self.number, answer)
 
 
 def make_instruction_example(rule: str, tokens: int, seed: int,

@@ -114,7 +114,9 @@ _CWE_EXCLUDED = {"three", "words", "common", "above", "answer", "appear", "appea
 
 _KINDS = ("number", "uuid", "varname", "words")
 _NUMBER = re.compile(r"\d{4,}")
-_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.IGNORECASE)
+# Bounded: a uuid with extra hex digits on either side is another value, not this one.
+_UUID = re.compile(r"(?<![0-9a-f])[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}(?![0-9a-f])",
+                   re.IGNORECASE)
 _VARNAME = re.compile(r"\b[A-Z]{5}\b")
 _WORD = re.compile(r"[A-Za-z]+")
 
@@ -382,6 +384,12 @@ def make_example(task: str, length: int, seed: int, count_tokens: Callable[[str]
 
 
 # -- scoring ----------------------------------------------------------------------------------------
+def has_number(number: str | int, text: str) -> bool:
+    """`number` appears in `text` as itself, not inside a longer digit run (a compressed cache can
+    add a digit)."""
+    return re.search(rf"(?<!\d){number}(?!\d)", text) is not None
+
+
 def extract(generated: str, question: Question) -> set[str]:
     """What `generated` answers, as a set of normalised values of the question's kind."""
     if question.kind == "number":

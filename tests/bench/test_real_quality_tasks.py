@@ -68,6 +68,14 @@ def test_the_scorer_accepts_the_right_answer_and_rejects_wrong_or_hedged_ones():
             assert not R.score("I do not know.", q)
             if len(q.answers) > 1:
                 assert not R.score("The answer is " + q.answers[0] + ".", q)
+            if q.kind in ("number", "uuid"):  # the value inside a longer one is another value
+                for longer in ("1" + q.answers[0], q.answers[0] + "1"):
+                    assert not R.score("The answer is " + ", ".join((longer,) + q.answers[1:]) + ".", q), longer
+
+
+def test_has_number_finds_the_number_itself_only():
+    assert R.has_number(4821, "The code is 4821.") and R.has_number("4821", "4821")
+    assert not R.has_number(4821, "The code is 14821.") and not R.has_number(4821, "48210")
 
 
 def _other(q: R.Question) -> str:
@@ -247,11 +255,12 @@ with torch.no_grad():
     out["hf"] = ref[0, 200:].tolist()
     full = K.PressForward(model, None)
     out["full"] = converse(full, [[ids]], [8], [])[0]
-    out["full_kept"] = full.kept
+    out["full_kept"] = full.kept()
     for name in ("snapkv", "knorm", "streaming_llm"):
         press = K.make_press(name, 4.0)
-        forward = K.PressForward(model, press)
-        out[name] = [type(press).__module__, converse(forward, [[ids[:150], ids[150:]]], [8], [])[0], forward.kept]
+        forward, kept = K.PressForward(model, press), []
+        answer = converse(forward, [[ids[:150], ids[150:]]], [8], [], on_answer=lambda _: kept.append(forward.kept()))[0]
+        out[name] = [type(press).__module__, answer, forward.prefill_kept, kept]
 from pathlib import Path
 import tempfile
 from kvtopo.models.pretrained import weights_path
@@ -279,9 +288,12 @@ def test_kvpress_runner_presses_a_tiny_llama():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["full"] == out["hf"] and out["full_kept"] == 1.0
     for name in ("snapkv", "knorm", "streaming_llm"):
-        module, answer, kept = out[name]
+        module, answer, prefill_kept, kept = out[name]
         assert module.startswith("kvpress.presses.") and len(answer) == 8
-        assert kept == pytest.approx(0.25, abs=0.01)  # 1 - 1/4 of the 150 context tokens removed
+        assert prefill_kept == pytest.approx(0.25, abs=0.01)  # 1 - 1/4 of the 150 context tokens removed
+        # At the answer's end: those, the 50 tokens after them and the 7 answer tokens fed, all held,
+        # over the 207 seen (the last answer token, cut by the limit, is not fed).
+        assert kept == [pytest.approx((150 * prefill_kept + 50 + 7) / 207, abs=1e-6)]
     assert out["kvzip_tokenizer"] == out["tokenizer"] and 0 not in out["tokenizer"]
 
 

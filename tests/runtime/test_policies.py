@@ -514,13 +514,24 @@ def test_bench_store_only_prefill_keeps_what_attend_prefill_keeps(name):
     assert torch.equal(results[0][1], results[1][1])
 
 
-def test_bench_quick_runs_and_reports_bytes_from_the_session(tmp_path):
+def test_bench_quick_runs_and_reports_bytes_from_the_session(monkeypatch):
+    """bench/memory.py's run stores each prefill chunk with all its queries (as `attend` observes
+    them; topo ranks a chunk's pages by them), the same ones in every run, the window last."""
     bench = _bench_memory()
     inputs = bench.Inputs(2048 + 512, 4)
     reference = bench.exact_decode(inputs)
+    observed, store_chunk = [], bench.store_chunk
+    monkeypatch.setattr(bench, "store_chunk", lambda s, q, k, v: (observed.append(q), store_chunk(s, q, k, v)))
     full = bench.run(inputs, Config.lossless(), reference)
     assert full["error"] < 2e-3  # float16 output rounding only
+    chunks = bench.prefill_chunks(inputs.n)
+    assert [q.shape[1] for q in observed] == [b - a for a, b in chunks]
+    for q, (_, b) in zip(observed, chunks):
+        assert torch.equal(q[:, -inputs.windows[b].shape[1]:], inputs.windows[b])
+    observed.clear()
     topo = bench.run(inputs, Config(), reference)
+    assert len(observed) == len(chunks)
+    assert all(torch.equal(q, inputs.chunk_queries(a, b)) for q, (a, b) in zip(observed, chunks))
     assert topo["tokens"] == 2048 + 512 + 4
     assert topo["ratio"] == pytest.approx(topo["tokens"] * bench.FP16_PER_TOKEN / topo["total_bytes"])
     assert sum(topo["per_kind"].values()) == topo["total_bytes"]
