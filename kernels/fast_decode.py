@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 from .cpu_decode import cpu_decode_attention, cpu_decode_batch

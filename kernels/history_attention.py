@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
 from torch import Tensor
 
 from .compressed_attention import dense_partials, merge_partials_lse, partial_lowrank

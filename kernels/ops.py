@@ -72,25 +72,32 @@ def mla_attention(
     into the query (keys) and applied once to the attended latent (values), so per-head K/V are
     never formed and a session caches only [latent ; rope key] per token.
     """
-    q_latent, w_value = absorb_mla_query(query, kv_up_weight, nope_dim, latent.shape[-1])
-    keys = torch.cat([latent, rope_key], dim=-1)  # [B, 1, T, r + rope]: one shared "kv-head"
+    q_latent, keys, w_value = absorbed_mla_inputs(query, latent, rope_key, kv_up_weight, nope_dim)
     session = active_store()
     if session is None:
         out_latent = grouped_attention(q_latent, keys, latent, attn_mask, scale, is_causal)
     else:
         out_latent = session.attend(layer, q_latent, keys, latent, attn_mask, scale, is_causal=is_causal,
                                     shared_value_dim=latent.shape[-1], model_key=model_key)
-    return torch.einsum("bhtr,hvr->bhtv", out_latent, w_value).contiguous()
+    return latent_to_heads(out_latent, w_value).contiguous()
 
 
-def absorb_mla_query(query, kv_up_weight, nope_dim: int, latent_dim: int):
-    """[q_nope · W_uk ; q_rope] per head, and W_uv [H, v, r] for the output side."""
-    heads = query.shape[1]
+def absorbed_mla_inputs(query: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor,
+                        kv_up_weight: torch.Tensor, nope_dim: int):
+    """What `kvtopo::mla_attention` attends with: (absorbed queries [B, H, T, r + rope] =
+    [q_nope · W_uk ; q_rope] per head, keys [B, 1, T, r + rope] = [latent ; rope key] (one shared
+    "kv-head"), W_uv [H, v, r] to apply to the attended latent)."""
+    heads, latent_dim = query.shape[1], latent.shape[-1]
     weight = kv_up_weight.view(heads, -1, latent_dim)
     w_key, w_value = weight[:, :nope_dim], weight[:, nope_dim:]
     q_nope, q_rope = query[..., :nope_dim], query[..., nope_dim:]
     q_latent = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, w_key), q_rope], dim=-1)
-    return q_latent, w_value
+    return q_latent, torch.cat([latent, rope_key], dim=-1), w_value
+
+
+def latent_to_heads(out_latent: torch.Tensor, w_value: torch.Tensor) -> torch.Tensor:
+    """Attended latent [B, H, T, r] -> per-head values [B, H, T, v], the up-projection applied once."""
+    return torch.einsum("bhtr,hvr->bhtv", out_latent, w_value)
 
 
 @mla_attention.register_fake
@@ -107,10 +114,8 @@ def _attention_decomposition(query, key, value, attn_mask, scale, is_causal, lay
 
 def _mla_attention_decomposition(query, latent, rope_key, kv_up_weight, attn_mask, scale, is_causal, layer, nope_dim,
                                  model_key=None):
-    q_latent, w_value = absorb_mla_query(query, kv_up_weight, nope_dim, latent.shape[-1])
-    keys = torch.cat([latent, rope_key], dim=-1)
-    out_latent = attention_decomposition(q_latent, keys, latent, attn_mask, scale, is_causal)
-    return torch.einsum("bhtr,hvr->bhtv", out_latent, w_value)
+    q_latent, keys, w_value = absorbed_mla_inputs(query, latent, rope_key, kv_up_weight, nope_dim)
+    return latent_to_heads(attention_decomposition(q_latent, keys, latent, attn_mask, scale, is_causal), w_value)
 
 
 # For `ExportedProgram.run_decompositions(DECOMPOSITIONS)`: the ops in plain aten ops, cache-free.

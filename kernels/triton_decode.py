@@ -371,7 +371,7 @@ def _mid_rows(q: Tensor, qs: Tensor, entries: list[int], mids: list[MidCodes], s
     if any((m.k_bits, m.v_bits, m.projected, m.value_stats_per_row) !=
            (first.k_bits, first.v_bits, first.projected, first.value_stats_per_row) for m in mids):
         raise ValueError("the Mid segments of one launch must share bits, projection and value statistics")
-    device, (batch, heads, rows, _) = qs.device, qs.shape
+    device, (_, heads, rows, _) = qs.device, qs.shape
     index = torch.tensor(entries, device=device)
     if first.projected:
         terms = [m.query_terms(q[b], scale) for b, m in zip(entries, mids)]  # [Hkv, ROWS, Rk_i], [Hkv, ROWS]

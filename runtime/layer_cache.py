@@ -284,12 +284,6 @@ class LayerCache(Lifecycle):
             self._drop_outside_window(entry)
         self.reached(entry.length)
 
-    def append_decode(self, seqs: list[int], key: torch.Tensor, value: torch.Tensor) -> None:
-        """Append one token to each of the distinct sequences `seqs` (key/value [B, Hkv, 1, d]):
-        `write_in_place` where it can, `append` for the rest."""
-        for i in self.write_in_place(seqs, key, value):
-            self.append(seqs[i], key[i], value[i])
-
     def write_in_place(self, seqs: list[int], key: torch.Tensor, value: torch.Tensor) -> list[int]:
         """Write the one token of each of the distinct sequences `seqs` (key/value [B, Hkv, 1, d])
         that lands in its sequence's Terminal page with room left and starts no Mid epoch: it
@@ -549,7 +543,7 @@ class LayerCache(Lifecycle):
         # statistics; each further one, a row.
         empty, first, per_row = self.mid_row_costs(entry)
         cost = len(group) * empty + torch.cumsum(torch.where(picked % P == 0, first, per_row), 0)
-        held = self._bytes_beside_group(entry, group, count)
+        held = self._bytes_beside_group(entry, count)
         # The group's share of the room: its tokens among those entering Mid until `length` (the
         # prompt's end when the caller said it, else this append's end: the group alone).
         room = page_room(budget, held, held - self.mid_nbytes(entry), len(group) * P,
@@ -628,7 +622,7 @@ class LayerCache(Lifecycle):
         values = torch.cat(values, 1) if values else keys[..., : self.shared_value_dim]
         return keys, values, None if any(m is None for m in masses) else torch.cat(masses, 1)
 
-    def _bytes_beside_group(self, entry: SequenceKV, group: list[int], count: int) -> int:
+    def _bytes_beside_group(self, entry: SequenceKV, count: int) -> int:
         """What the sequence-layer will hold at the append's end besides the group's Mid rows:
         Mid epochs so far (with their bases), the exact and Recent pages of the end state,
         metadata (without the credit a waiting prompt kept: dropped as the append ends)."""

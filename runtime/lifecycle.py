@@ -285,13 +285,11 @@ class Lifecycle:
         if (not self.config.prompt_hold_tokens or seq.prompt_end <= end or self.recent_bits is None
                 or not self.mid_encoding.evict or self.config.layer_budget_bytes is not None):
             return False
-        P = self.config.page_size
-        waiting = self.plan.mid_pages(-(-end // P)) * P - seq.mid_tokens
         # With none due yet it holds too: its tokens wait later, and it keeps their credit now.
-        return waiting <= self.config.prompt_hold_tokens
+        return self.mid_tokens_coming(seq, end) <= self.config.prompt_hold_tokens
 
     def reaches_mid(self, length: int) -> bool:
-        return self.plan.mid_pages(-(-length // self.config.page_size)) > 0
+        return self.plan.mid_pages(self.plan.pages(length)) > 0
 
     def next_refit(self, fitted_at: int) -> int | None:
         """Bases fitted at length `fitted_at` are refitted once the sequence doubles past it (or
@@ -316,7 +314,7 @@ class Lifecycle:
     def mid_tokens_coming(self, seq: SequenceState, length: int) -> int:
         """Tokens that enter Mid from now until the sequence reaches `length`: those a page or an
         append's group shares the room with (`page_room`)."""
-        return self.plan.mid_pages(-(-length // self.config.page_size)) * self.config.page_size - seq.mid_tokens
+        return self.plan.mid_pages(self.plan.pages(length)) * self.config.page_size - seq.mid_tokens
 
     def budget(self, length: int) -> float | None:
         """Bytes one sequence-layer may hold at `length` tokens (None: no budget)."""

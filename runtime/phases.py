@@ -5,7 +5,8 @@ Pages of a sequence, oldest first:
   overlaps a protected span (e.g. a system prompt) — kept exact, never evicted;
 - Terminal: the last page, the one being written — exact;
 - Recent: the `ceil(recent_tokens / page_size)` pages just before it — lightly compressed;
-- Mid: everything else — evicted by score, projected, low-bit.
+- Mid: everything else — evicted by score, low-bit (projected onto principal directions where
+  the config asks).
 A page's phase only ever moves Terminal -> Recent -> Mid (or Terminal -> Initial), so each page
 is re-encoded at most twice, at page granularity.
 """
@@ -46,6 +47,10 @@ class PhasePlan:
     def protected(self, index: int) -> bool:
         start, end = index * self.page_size, (index + 1) * self.page_size
         return any(s < end and start < e for s, e in self.protected_spans)
+
+    def pages(self, tokens: int) -> int:
+        """Pages that hold `tokens` tokens."""
+        return -(-tokens // self.page_size)
 
     def mid_pages(self, num_pages: int) -> int:
         """How many of `num_pages` pages are Mid (arithmetic: called at every Mid transition)."""

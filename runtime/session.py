@@ -73,7 +73,6 @@ class Session:
         self.config = config if config is not None else Config()
         self.policy = make_policy(self.config)
         self.layers: dict[str, LayerCache] = {}
-        self._layer_shapes: dict[str, tuple[int, int, int]] = {}
         self._batch: int | None = None
         self._step_valid: torch.Tensor | None = None
         self._step_full: list[int] | None = None  # the step's rows without padding
@@ -317,18 +316,19 @@ class Session:
     def model_row_tokens(self, model_key: torch.Tensor, batch: int) -> torch.Tensor:
         """The tokens each of `batch` rows stores for the model `model_key` belongs to ([batch]
         int64; padding is never stored): where a model numbers a row's tokens by its mask (OPT)."""
-        prefix = self.model_name(model_key) + "/"
-        cache = next((cache for name, cache in self.layers.items() if name.startswith(prefix)), None)
+        cache = self._first_layer(model_key)
         return torch.tensor([cache.length(row) if cache is not None else 0 for row in range(batch)])
 
     def model_length(self, model_key: torch.Tensor) -> int:
         """The length HF's cache would report for the model `model_key` belongs to: the batch's
         columns its forwards attended, padding included (a left-padded row stores fewer tokens)."""
+        cache = self._first_layer(model_key)
+        return cache.columns if cache is not None else 0
+
+    def _first_layer(self, model_key: torch.Tensor) -> LayerCache | None:
+        """The first layer the model `model_key` belongs to has stored (None before its first call)."""
         prefix = self.model_name(model_key) + "/"
-        for name, cache in self.layers.items():
-            if name.startswith(prefix):
-                return cache.columns
-        return 0
+        return next((cache for name, cache in self.layers.items() if name.startswith(prefix)), None)
 
     @contextmanager
     def _storing(self, seqs: Sequence[int]):

@@ -112,9 +112,8 @@ from transformers.generation.continuous_batching.utils import (WorkloadHints, fi
 
 from kvtopo.config import Config
 from kvtopo.runtime.layer_cache import held_credit_nbytes
-from kvtopo.runtime.lifecycle import observed_positions
+from kvtopo.runtime.lifecycle import Lifecycle, observed_positions
 from kvtopo.runtime.page_pool import growth_step
-from kvtopo.runtime.phases import Phase, PhasePlan
 from kvtopo.runtime.session import CacheStats, SequenceStats, Session
 
 __all__ = ["ATTN_IMPLEMENTATION", "BatchResult", "KvtopoBatchingManager", "KvtopoPagedCache", "TRANSFORMERS_VERSION",
@@ -166,16 +165,15 @@ class _Growth:
 
     def __init__(self, session: Session, model_config, dtype: torch.dtype):
         config = session.config
-        self.session, self.page_size, self.max_pages = session, config.page_size, config.max_pages
-        self.plan = PhasePlan(config.page_size, config.sink_tokens, config.recent_tokens, config.protected_spans)
-        self.mid = session.policy.mid_encoding()
-        self.recent_bits = session.policy.recent_bits()
+        self.session, self.max_pages = session, config.max_pages
+        self.lifecycle = Lifecycle(config, session.policy)  # the store's own rules: which pages stay exact, when Mid starts
+        self.plan, self.mid = self.lifecycle.plan, self.lifecycle.mid_encoding
         self.layers = [str(i) for i in range(model_config.num_hidden_layers)]
         kv_heads, q_heads = find_num_key_value_heads(model_config), model_config.num_attention_heads
         head_dim = find_head_dim(model_config)
         # The exact page before the layer's pool exists (LayerCache makes it from the first k/v).
         self.first_page_nbytes = 2 * kv_heads * config.page_size * head_dim * dtype.itemsize
-        self.reencodes = not (self.mid.identity and self.recent_bits is None)
+        self.reencodes = not (self.mid.identity and self.lifecycle.recent_bits is None)
         window = observed_positions(config.observation_window, q_heads, kv_heads)
         self.new_sequence_nbytes = q_heads * window * head_dim * 2 if self.mid.evict else 0  # float16 queries
         # Per Mid epoch, keys and values: float16 directions of rank <= head_dim, float32 means.
@@ -187,10 +185,7 @@ class _Growth:
 
     def exact_pages(self, pages: int) -> int:
         """Pages the lifecycle holds in exact pool slots when a sequence has `pages` pages."""
-        phases = self.plan.counts(pages)
-        mid = 0 if self.mid.identity else phases[Phase.MID]
-        recent = phases[Phase.RECENT] if self.recent_bits is not None else 0  # Recent codes
-        return pages - mid - recent
+        return sum(n for phase, n in self.plan.counts(pages).items() if self.lifecycle.stays_exact(phase))
 
     def new_slots(self, pool, promised: int, slots: int) -> int | None:
         """Slots the pool adds to hand out `slots` more live slots after `promised` others (None:
@@ -216,8 +211,7 @@ class _Growth:
         """(bytes, pool slots per layer) that appending `tokens` after `past` to sequence `seq`
         (None: not stored yet; its prompt reaching `prompt_end`) can add, after the `promised`
         slots of other scheduled appends; None when a pool at `max_pages` cannot hold them."""
-        P = self.page_size
-        pages_before, pages_after = -(-past // P), -(-(past + tokens) // P)
+        pages_before, pages_after = self.plan.pages(past), self.plan.pages(past + tokens)
         opened = pages_after - pages_before
         total, slots_by_layer = 0, {}
         for name in self.layers:
@@ -243,7 +237,7 @@ class _Growth:
 
     def _epoch_starts(self, entry, length: int) -> bool:
         if entry is None or entry.mid is None:
-            return self.plan.mid_pages(-(-length // self.page_size)) > 0
+            return self.lifecycle.reaches_mid(length)
         return entry.next_refit is not None and length >= entry.next_refit
 
 

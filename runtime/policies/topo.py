@@ -2,8 +2,8 @@
 
 Which Mid tokens survive is decided by `kernels.scoring.expfree_scores` (matmul, max, subtract,
 relu, sums: no exponential), so the same scoring graph runs on NPU matrix units; surviving
-keys/values are projected onto each head's retained principal directions and the coefficients
-stored in `mid_bits` bits.
+keys/values are stored in `mid_bits` bits, projected first onto each head's retained principal
+directions where the config asks for it (`key_energy`/`value_energy`, opt-in).
 
 A token the observation window attends to passes its score on to its `SUCCESSORS` following
 tokens (a running max, still exp-free): retrieval reads forward from where attention lands —

@@ -18,7 +18,9 @@ def synthetic_segments(
 ) -> DecodeSegments:
     """Random segments encoded exactly as the runtime encodes them (quant.quantize per page).
     Any phase can be empty (exact=0, recent_pages=0, no mid rows). ``projected`` False: Mid
-    holds KIVI-style codes of the keys/values themselves (``unprojected_mid``); ranks unused."""
+    holds KIVI-style codes of the keys/values themselves (``unprojected_mid``); ranks unused.
+    ``group`` (query heads per kv-head) shapes no segment: it is taken so that one case dict
+    describes both the segments and the caller's queries."""
     g = torch.Generator().manual_seed(seed)
     randn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     ex = None

@@ -39,7 +39,6 @@ from hypothesis import strategies as st
 from kvtopo.kernels import triton_decode
 from kvtopo.kernels.decode_inputs import MidCodes
 from kvtopo.kernels.decode_reference import reference_decode, reference_history
-from kvtopo.kernels.quant import quantize
 from kvtopo.runtime import decode_view
 
 from decode_bound import capped_bound, error_bound
@@ -315,44 +314,3 @@ def test_history_partials_match_float64_reference(case, tokens, splits, projecte
     bound = capped_bound(q, segs, 0.125, softcap)  # over every row (the bound reads q's rows, any shape)
     assert (out.double() - ref_out).abs().max().item() <= bound
     assert (lse.double() - ref_lse).abs().max().item() <= 1e-5 * (1 + ref_lse.abs().max().item())
-
-
-# -- page compressor (kernels/triton_compress.py) ----------------------------------------------
-
-
-@in_process
-@settings(max_examples=12, deadline=None)
-@given(kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 4, 8]), window=st.integers(1, 9),
-       tokens=st.sampled_from([1, 5, 16, 32]), d=st.sampled_from([64, 128]), bits=st.sampled_from([2, 4, 8]),
-       seed=st.integers(0, 2**16))
-def test_page_compressor_matches_torch(kv_heads, group, window, tokens, d, bits, seed):
-    from kvtopo.kernels import triton_compress
-    from kvtopo.kernels.quant import unpack
-    from kvtopo.kernels.scoring import expfree_scores
-    from kvtopo.runtime.codecs import fit_bases
-
-    g = torch.Generator().manual_seed(seed)
-    q_obs = torch.randn(kv_heads * group, window, d, generator=g).half()
-    history = torch.randn(kv_heads, 96, d, generator=g) @ torch.randn(d, d, generator=g) * 0.2 + 1.0
-    page = history[:, :tokens]
-    # score: float32 dots of length d; margin-clipped sums over the group's rows
-    ours = triton_compress.expfree_scores_triton(q_obs, page, d**-0.5)
-    ref = expfree_scores(q_obs, page, d**-0.5)
-    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5 * (1 + ref.abs().max().item()))
-    # projection + per-page quantization, as CodedRows.append stores a projected page
-    bases = fit_bases(history, 0.9)
-    codes, scale, offset = triton_compress.project_quantize_triton(page, bases.vectors, bases.mean, bases.ranks, bits)
-    coef = bases.project(page)
-    want = quantize(coef, bits, reduce_dim=0)
-    c = sum(bases.ranks)
-    assert codes.shape == want.codes.shape and scale.shape == (1, c)
-    diff = unpack(codes, bits, c).int() - unpack(want.codes, bits, c).int()
-    assert diff.abs().max().item() <= 1  # only where a coefficient sits within rounding of a level boundary
-    levels = (1 << bits) - 1
-    recon = offset.float() + unpack(codes, bits, c).float() * scale.float()
-    slack = 1e-5 * (1 + coef.abs().amax(0))
-    assert ((recon - coef).abs() <= scale.float() / 2 + slack).all()
-    # the scale is kernels.quant's: the float32 ideal widened by at most the offset's float16 step
-    ideal = (coef.amax(0) - coef.amin(0)) / levels
-    step16 = 2 * torch.clamp(coef.amin(0).abs() * 2.0**-10, min=2.0**-24)
-    assert (scale.float() <= torch.maximum(ideal + step16 / levels, step16) * (1 + 2.0**-10) + 2.0**-24 + slack).all()

@@ -1,5 +1,6 @@
-"""`LayerCache.append_decode` (one token for each of several sequences, the batched write a
-serving step makes) leaves the store exactly as appending each token on its own would: the same
+"""A batch's decode tokens stored as `Session._decode_batch` stores them (`LayerCache.write_in_place`
+for the tokens that land in a page with room, the queries observed, `append` for the rest) leave
+the store exactly as appending each token on its own would: the same
 pages, phases, kept tokens, Mid rows, block tables, observation windows and bytes, and every
 exact page holds the same keys and values. Sequences start at lengths on both sides of page
 boundaries and of the first Mid page, so the steps cover writes into a page with room (the
@@ -77,13 +78,12 @@ def test_batched_decode_append_equals_appends_one_by_one(name):
         for i, seq in enumerate(live):
             single.observe(seq, q[i], HKV)
             single.append(seq, k[i], v[i])
+        pending = batched.write_in_place(live, k, v)
+        for i, seq in enumerate(live):
             batched.observe(seq, q[i], HKV)
-        calls = []
-        real = batched.append
-        batched.append = lambda seq, key, value: (calls.append(seq), real(seq, key, value))
-        batched.append_decode(live, k, v)
-        del batched.append
-        fast_writes += len(live) - len(calls)
+        for i in pending:
+            batched.append(live[i], k[i], v[i])
+        fast_writes += len(live) - len(pending)
         for seq in live:
             assert _same(_state(batched, seq), _state(single, seq)), (name, step, seq)
         assert held_tensor_bytes(batched) == held_tensor_bytes(single)
@@ -91,8 +91,8 @@ def test_batched_decode_append_equals_appends_one_by_one(name):
     assert fast_writes > STEPS * len(STARTS) // 2, "most decode tokens land in a page with room"
 
 
-def test_append_decode_refuses_repeated_sequences():
+def test_write_in_place_refuses_repeated_sequences():
     cache = _cache("topo")
     k = torch.randn(2, HKV, 1, D)
     with pytest.raises(ValueError, match="distinct sequence"):
-        cache.append_decode([0, 0], k, k)
+        cache.write_in_place([0, 0], k, k)
