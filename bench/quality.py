@@ -597,7 +597,7 @@ def main(argv=None) -> dict:
         for layer, m in scoring["per_layer"].items():
             cells = "  ".join(f"{k} {v['recall']:.2f}" for k, v in m.items())
             print(f"  {layer}: {cells}")
-    print(f"\ntimes (s): " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items() if k != "per_config"))
+    print("\ntimes (s): " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items() if k != "per_config"))
 
     stem = "quality_quick" if args.quick else "quality"
     args.out.mkdir(parents=True, exist_ok=True)

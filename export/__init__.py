@@ -39,6 +39,7 @@ from kvtopo.config import Config
 from .layout import NPU_TOKENS, PROFILES, check_profile
 
 DEFAULT_MAX_CONTEXT = 4096
+DEFAULT_MLIR_MAX_CONTEXT = 512  # MLIR graphs and IREE builds are static per capacity: kept small
 MLIR_OUTPUT_TYPES = ("torch", "linalg-on-tensors", "stablehlo")
 
 
@@ -89,7 +90,7 @@ def export_onnx(model_or_zoo_name, out_dir, config: Config | None = None,
     return export_onnx_files(_model(model_or_zoo_name), out_dir, _exported_config(config), max_context, profile)
 
 
-def export_mlir(model_or_zoo_name, out_dir, config: Config | None = None, max_context: int = 512,
+def export_mlir(model_or_zoo_name, out_dir, config: Config | None = None, max_context: int = DEFAULT_MLIR_MAX_CONTEXT,
                 output_types=MLIR_OUTPUT_TYPES, tokens: int | None = 1, profile: str | None = None) -> dict[str, str]:
     """Write decode_step.<type>.mlir and compressor.<type>.mlir for each output type.
 
@@ -114,7 +115,7 @@ def export_mlir(model_or_zoo_name, out_dir, config: Config | None = None, max_co
                              tuple(output_types), tokens, profile)
 
 
-def export_iree(model_or_zoo_name, out_dir, config: Config | None = None, max_context: int = 512,
+def export_iree(model_or_zoo_name, out_dir, config: Config | None = None, max_context: int = DEFAULT_MLIR_MAX_CONTEXT,
                 output_type: str = "torch", target: str = "llvm-cpu", sources_dir=None,
                 profile: str | None = None) -> dict[str, str]:
     """export_mlir with a dynamic token count (or the "npu" profile's static graphs), then IREE
@@ -130,4 +131,4 @@ def export_iree(model_or_zoo_name, out_dir, config: Config | None = None, max_co
     return {**paths, **compile_export(out_dir, output_type, target, sources_dir)}
 
 
-__all__ = ["DEFAULT_MAX_CONTEXT", "PROFILES", "export_iree", "export_mlir", "export_onnx"]
+__all__ = ["DEFAULT_MAX_CONTEXT", "DEFAULT_MLIR_MAX_CONTEXT", "PROFILES", "export_iree", "export_mlir", "export_onnx"]

@@ -41,7 +41,6 @@ import torch
 from torch import Tensor
 
 from kvtopo.kernels.compressed_attention import group_query_heads
-from kvtopo.kernels.ops import absorb_mla_query
 from kvtopo.kernels.reference import chunk_causal_mask
 
 from .compressor import unpack_codes
@@ -88,9 +87,6 @@ class LayerCacheTensors:
     def from_flat(cls, tensors, shared_values: bool = False, projected: bool = True) -> "LayerCacheTensors":
         given = dict(zip(cls.names(shared_values, projected), tensors, strict=True))
         return cls(**{n: given.get(n) for n in cls.names()})
-
-    def as_tuple(self) -> tuple[Tensor, ...]:
-        return tuple(getattr(self, n) for n in self.names(self.exact_v is None, self.key_vectors is not None))
 
 
 # The functions below are kernels.compressed_attention's partial_dense / _softmax_lse /
@@ -226,15 +222,3 @@ def _partial_mid_projected(q: Tensor, c: LayerCacheTensors, length: Tensor, scal
         value_vectors, value_mean = c.value_vectors, c.value_mean
     return partial_lowrank_masked(q, ck, c.key_vectors, c.key_mean, cv, value_vectors, value_mean, scale,
                                   _valid(ck.shape[1], length, q.shape[1], q.device))
-
-
-def absorbed_mla_inputs(query: Tensor, latent: Tensor, rope_key: Tensor, kv_up_weight: Tensor, nope_dim: int):
-    """What `kvtopo::mla_attention` attends with: (absorbed queries [B, H, T, r + rope], keys
-    [B, 1, T, r + rope] = [latent ; rope key], W_uv [H, v, r] to apply to the attended latent)."""
-    q_latent, w_value = absorb_mla_query(query, kv_up_weight, nope_dim, latent.shape[-1])
-    return q_latent, torch.cat([latent, rope_key], dim=-1), w_value
-
-
-def latent_to_heads(out_latent: Tensor, w_value: Tensor) -> Tensor:
-    """Attended latent [B, H, T, r] -> per-head values [B, H, T, v], the up-projection applied once."""
-    return torch.einsum("bhtr,hvr->bhtv", out_latent, w_value)

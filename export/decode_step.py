@@ -30,13 +30,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-import kvtopo.kernels.ops  # noqa: F401  (registers torch.ops.kvtopo.attention)
+from kvtopo.kernels.ops import absorbed_mla_inputs, latent_to_heads  # (and registers torch.ops.kvtopo.attention)
 from kvtopo.config import Config
 from kvtopo.passes.find_mla import MLASite
 from kvtopo.passes.manager import run_passes
 from kvtopo.runtime.declared_attention import state_outside_attention
 
-from .attention import LayerCacheTensors, absorbed_mla_inputs, cached_attention, latent_to_heads
+from .attention import LayerCacheTensors, cached_attention
 from .compressor import descending_ranks
 from .layout import CacheLayout
 

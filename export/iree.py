@@ -38,7 +38,7 @@ def compile_vmfb(mlir_path, vmfb_path, output_type: str = "torch", target: str =
     except ImportError as err:
         raise ImportError(f"compiling the exported MLIR needs the package 'iree-base-compiler' ({INSTALL_HINT}): "
                           f"{err}") from err
-    flags = [f"--iree-hal-target-device=local", f"--iree-hal-local-target-device-backends={target}"]
+    flags = ["--iree-hal-target-device=local", f"--iree-hal-local-target-device-backends={target}"]
     if target == "llvm-cpu":
         flags.append(f"--iree-llvmcpu-target-cpu={target_cpu}")
     if sources_dir is not None:

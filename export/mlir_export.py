@@ -55,18 +55,16 @@ def _stderr_to(path: str):
         os.close(saved)
 
 
-def lower(module: torch.nn.Module | torch.export.ExportedProgram, args, output_type: str, func_name: str,
-          dynamic_shapes=None) -> str:
-    """`module` (traced by torch.export with `args` and `dynamic_shapes`) or an ExportedProgram
-    (`args` and `dynamic_shapes` unused) as MLIR text of `output_type`, entry `func_name`."""
+def lower(module: torch.nn.Module | torch.export.ExportedProgram, args, output_type: str, func_name: str) -> str:
+    """`module` (traced by torch.export with `args`) or an ExportedProgram (`args` unused) as MLIR
+    text of `output_type`, entry `func_name`."""
     from torch_mlir import fx
 
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "diagnostics.txt")
         try:
             with torch.no_grad(), _stderr_to(log):
-                mlir_module = fx.export_and_import(module, *args, output_type=output_type, func_name=func_name,
-                                                  dynamic_shapes=dynamic_shapes)
+                mlir_module = fx.export_and_import(module, *args, output_type=output_type, func_name=func_name)
             err = None
         except Exception as e:  # torch-mlir raises plain RuntimeErrors; the diagnostics went to fd 2
             err, text = e, Path(log).read_text() + "\n" + str(e)

@@ -20,7 +20,6 @@ from .executors import graph_signature
 from .layout import NPU_TOKENS
 
 DECODE_FILE, COMPRESSOR_FILE, LAYOUT_FILE = "decode_step.onnx", "compressor.onnx", "layout.json"
-COMPRESSOR_INPUTS, COMPRESSOR_OUTPUTS = list(PageCompressor.INPUTS), list(PageCompressor.OUTPUTS)
 
 
 def export_graphs(model, config, max_context: int, tokens: int | None = None, profile: str | None = None,

@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvtopo.export import DEFAULT_MAX_CONTEXT, DEFAULT_MLIR_MAX_CONTEXT
+
 
 def add_export(subparsers) -> None:
     from kvtopo.models import zoo
@@ -41,7 +43,8 @@ def add_export(subparsers) -> None:
     p.add_argument("--config", metavar="JSON", default=None,
                    help='kvtopo Config fields as JSON (or a path to a JSON file), e.g. \'{"page_size": 16}\'')
     p.add_argument("--max-context", type=int, default=None, metavar="N",
-                   help="tokens the fixed cache buffers hold (default: 4096 for onnx, 512 for mlir)")
+                   help=f"tokens the fixed cache buffers hold (default: {DEFAULT_MAX_CONTEXT} for onnx, "
+                        f"{DEFAULT_MLIR_MAX_CONTEXT} for mlir)")
     p.add_argument("--target", choices=sorted(TARGET_FORMAT), default=None,
                    help="compile for this runtime and smoke-run against the PyTorch session "
                         "(onnx: onnxruntime|openvino; mlir: iree)")
@@ -87,7 +90,7 @@ def _run_export(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-context {args.max_context} is invalid: an int >= 1 (tokens)")
     if args.target is not None and TARGET_FORMAT[args.target] != args.format:
         raise UsageError(f"--target {args.target} runs {TARGET_FORMAT[args.target]} exports, not {args.format}")
-    max_context = args.max_context or (4096 if args.format == "onnx" else 512)
+    max_context = args.max_context or (DEFAULT_MAX_CONTEXT if args.format == "onnx" else DEFAULT_MLIR_MAX_CONTEXT)
     if args.target is not None and not 1 <= args.smoke_prompt < max_context:
         raise UsageError(f"--smoke-prompt {args.smoke_prompt} is invalid: 1 .. max context {max_context} - 1")
     if args.target is not None and not 1 <= args.smoke_tokens <= max_context - args.smoke_prompt:

@@ -280,8 +280,7 @@ def _validated_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
         bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)][0].item()
         raise ValueError(f"kvtopo.generate: attention_mask holds the value {bad}; allowed: 0 (padding) and 1 (token)")
     mask = attention_mask.bool()
-    if bool((mask.long().cummax(1).values.bool() != mask).any()):
-        raise ValueError("attention_mask must be left-padded (no padding after a real token)")
+    hf_cache.check_left_padded(mask)
     if not bool(mask[:, -1].all()):
         raise ValueError("every sequence needs at least one real token (attention_mask row of zeros)")
     return mask

@@ -5,7 +5,7 @@
     model = kvtopo.compile(model)
     with kvtopo.session(kvtopo.Config.lossless()) as s:
         out = model.generate(ids, max_new_tokens=32, cache=kvtopo.hf_cache.SessionCache(s, model=model))
-        print(s.stats().tokens)           # prompt + new - 1 tokens stored per layer
+        print(s.stats().tokens)           # (prompt + new - 1,): the tokens each sequence stores
 
 (`past_key_values=SessionCache(s)` works too; transformers 5.x renamed that argument `cache`.)
 
@@ -200,8 +200,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
         if generate_kwargs.get(name) is not None:
             raise ValueError(f"kvtopo.hf_cache.generate passes its own cache; do not pass {name}=")
     mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-    if bool((mask.long().cummax(1).values.bool() != mask).any()):
-        raise ValueError("attention_mask must be left-padded (no padding after a real token)")
+    check_left_padded(mask)
     padding = (~mask).sum(1).tolist()
     cache = SessionCache(session, model=model)
     _check_continuation(cache.first_layer(), padding)
@@ -250,6 +249,13 @@ def _continuing(cache: SessionCache, input_ids: torch.Tensor, run):
         cache.checking_prompts = False
     record_fed(cache.first_layer(), cache.session, getattr(output, "sequences", output))  # a GenerateOutput's or a tensor
     return output
+
+
+def check_left_padded(mask: torch.Tensor) -> None:
+    """A bool [batch, tokens] attention mask has no padding after a real token: the session stores
+    each row's tokens in order and marks only a leading stretch of padding per row."""
+    if bool((mask.long().cummax(1).values.bool() != mask).any()):
+        raise ValueError("attention_mask must be left-padded (no padding after a real token)")
 
 
 def _check_prompt_continues(cache: SessionCache, input_ids: torch.Tensor) -> None:

@@ -89,7 +89,6 @@ __all__ = [
 
 TASKS = ("passkey", "multikey", "multivalue", "vartrack")
 CONTEXT_LENGTHS = (512, 1024, 2048)
-MIN_CONTEXT = 64  # smallest length the internal builder accepts (training curriculum)
 
 OPEN = "\u00ab"  # «
 TERMINATOR = "\u00bb"  # »

@@ -136,13 +136,13 @@ def model_tensor(node: fx.Node) -> bool:
                                          or node.name.startswith("g_"))
 
 
-def ancestor_nodes(roots, limit: int | None = None) -> set[fx.Node]:
+def ancestor_nodes(roots) -> set[fx.Node]:
     """The nodes `roots` (fx nodes; other values are ignored) are computed from, themselves
     included, through in-place writes too (`pe[:, 0::2] = sin(...)`: the sin is an ancestor of
-    `pe`); at most about `limit` of them when given."""
+    `pe`)."""
     seen: set[fx.Node] = set()
     stack = [r for r in roots if isinstance(r, fx.Node)]
-    while stack and (limit is None or len(seen) < limit):
+    while stack:
         node = stack.pop()
         if node not in seen:
             seen.add(node)

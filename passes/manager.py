@@ -41,7 +41,6 @@ GRAPH_PASSES = (
 class PassReport:
     sites: list = field(default_factory=list)  # AttentionSite or MLASite
     refusals: list[Refusal] = field(default_factory=list)
-    rewritten: int = 0
     positions: int = 0  # position computations routed through kvtopo.positions (find_positions)
     given_positions: int = 0  # position inputs checked by kvtopo.given_positions (find_positions)
     seconds: float = 0.0
@@ -74,7 +73,8 @@ def run_passes(gm: fx.GraphModule) -> PassReport:
     for finder, rewriter in PASSES:
         sites, refusals = finder(gm)
         sites = _unique_layers(report.sites + sites)[len(report.sites):]
-        report.rewritten += rewriter(gm, sites) if sites else 0
+        if sites:
+            rewriter(gm, sites)
         report.sites += sites
         report.refusals += refusals
     for field_name, finder, rewriter in GRAPH_PASSES:

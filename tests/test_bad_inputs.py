@@ -78,10 +78,13 @@ def test_full_policy_names_the_budget_field_it_refuses():
 
 
 def test_valid_configs_still_construct():
-    kvtopo.Config()
-    kvtopo.Config.lossless()
-    kvtopo.Config(mid_bits=None, recent_bits=2, key_energy=1, value_energy=1, target_ratio=2,
-                  score_margin=1, protected_spans=((0, 16), (40, 48)), layer_budget_bytes=4096, max_pages=64)
+    """Validation refuses nothing valid, and keeps what it was given."""
+    assert kvtopo.Config().policy == "topo"
+    assert kvtopo.Config.lossless().policy == "full"
+    fields = dict(mid_bits=None, recent_bits=2, key_energy=1, value_energy=1, target_ratio=2, score_margin=1,
+                  protected_spans=((0, 16), (40, 48)), layer_budget_bytes=4096, max_pages=64)
+    config = kvtopo.Config(**fields)
+    assert {name: getattr(config, name) for name in fields} == fields
 
 
 # -- generate ------------------------------------------------------------------------------------

@@ -7,8 +7,6 @@ import ast
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 # package -> the other kvtopo packages (and "config") it may import
 ALLOWED = {

@@ -1,7 +1,5 @@
 """DeepSeek-V3 MLA: found and rewritten to cache the latent; refused when not provably MLA."""
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F

@@ -10,13 +10,6 @@ from kvtopo.models import zoo
 POSITIONS = torch.ops.kvtopo.positions.default
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _ids(seed=1, length=71):
     return torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(seed))
 

@@ -12,13 +12,6 @@ import kvtopo
 from kvtopo.models import zoo
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _compiled(model, how: str):
     """`model` compiled by `kvtopo.compile`, by `Module.compile(backend="kvtopo")` (in place) or by
     `torch.compile(model, backend="kvtopo")` (a wrapper); the backend alone registers what the
