@@ -28,7 +28,7 @@ from .find_eager import is_attention_softmax
 from .find_eager import _match as match_eager
 from .find_sdpa import _match as match_sdpa
 from .graph_utils import ActivationSources, arg, is_call, layer_name, meta_tensor, static_int
-from .site import AttentionSite, NotAttention, Refusal
+from .site import AttentionSite, NotAttention, Refusal, format_scale
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class MLASite:
     def describe(self) -> str:
         r, rope = self.latent_dim, self.rope_dim
         return (f"{self.layer}: MLA ({self.site.pattern}), heads={self.site.heads} latent={r} rope={rope} "
-                f"nope={self.nope_dim} v_head_dim={self.site.value_head_dim} scale={self.site.scale:.4g}")
+                f"nope={self.nope_dim} v_head_dim={self.site.value_head_dim} scale={format_scale(self.site.scale)}")
 
 
 def find_mla_sites(gm: fx.GraphModule) -> tuple[list[MLASite], list[Refusal]]:

@@ -44,7 +44,13 @@ class AttentionSite:
         extras = (f" window={self.window}" if self.window else "") + (f" softcap={self.softcap:g}" if self.softcap else "")
         extras += " sinks" if self.sinks is not None else ""
         return (f"{self.layer}: {self.pattern}, heads={self.heads} kv_heads={self.kv_heads} "
-                f"head_dim={self.head_dim} v_head_dim={self.value_head_dim} scale={self.scale if isinstance(self.scale, fx.Node) else format(self.scale, '.4g')} {mask}{extras}")
+                f"head_dim={self.head_dim} v_head_dim={self.value_head_dim} scale={format_scale(self.scale)} {mask}{extras}")
+
+
+def format_scale(scale) -> str:
+    """A site's scale for its report: a number, or the graph input Dynamo made of it (a second
+    model whose scale differs)."""
+    return str(scale) if isinstance(scale, fx.Node) else format(scale, ".4g")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,21 @@ def test_lossless_bytes_per_token_are_latent_plus_rope_key(name):
     assert stats.fp16_bytes == 2 * 64 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
 
 
+def test_a_second_mla_model_with_another_scale_is_rewritten_and_exact():
+    """Dynamo makes the scale of a second model of the same class (another head dim) a graph
+    input: its report names that input (formatting it as a number crashed the compile)."""
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    for overrides in ({}, {"qk_nope_head_dim": 24}):
+        model = zoo.build("deepseek-v3", **overrides)
+        with torch.no_grad():
+            expected = model(ids).logits
+        compiled = kvtopo.compile(model, inductor=False)
+        with kvtopo.session(kvtopo.Config.lossless()) as s, torch.no_grad():
+            got = compiled(ids).logits
+        assert len(s.layers) == model.config.num_hidden_layers  # attended through the store
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_mla_with_topo_compression_stays_close_to_exact():
     model = zoo.build("deepseek-v3")
     compiled = kvtopo.compile(model, inductor=False)
