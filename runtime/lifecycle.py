@@ -60,10 +60,16 @@ def observed_positions(window: int, q_heads: int, kv_heads: int) -> int:
 
 def check_value_energy(config: Config, mid_encoding: MidEncoding, shares_values: bool) -> None:
     """A projected Mid fits value bases at `value_energy` for a layer whose values are its own:
-    `key_energy` alone projects the keys of an MLA latent only (its values are its keys)."""
+    `key_energy` alone projects the keys of an MLA latent only (its values are its keys, projected
+    once, at `key_energy`: another `value_energy` would be ignored)."""
     if mid_encoding.project and not shares_values and config.value_energy is None:
         raise ValueError(f"Config(key_energy={config.key_energy!r}) without value_energy projects an MLA latent's keys "
                          "only; this layer stores values of its own: set value_energy too")
+    if (mid_encoding.project and shares_values and config.value_energy is not None
+            and config.value_energy != config.key_energy):
+        raise ValueError(f"Config(value_energy={config.value_energy!r}) differs from key_energy={config.key_energy!r}: "
+                         "an MLA latent is its layer's keys and values, projected once at key_energy; leave "
+                         "value_energy unset or equal to key_energy")
 
 
 class BudgetExceeded(RuntimeError):

@@ -114,6 +114,21 @@ def test_key_energy_alone_is_refused_by_a_layer_with_values_of_its_own():
     assert not s.layers
 
 
+@pytest.mark.parametrize("policy", ["palu", "topo"])
+def test_a_latent_refuses_a_value_energy_it_would_ignore(policy):
+    """An MLA latent is projected once, at key_energy: a different value_energy was ignored
+    silently; it is refused before storing anything (equal to key_energy, it runs)."""
+    latent, rope = torch.randn(1, 1, 40, 12), torch.randn(1, 1, 40, 4)
+    keys, q = torch.cat([latent, rope], -1), torch.randn(1, 4, 40, 16)
+    fields = dict(policy=policy, page_size=8, sink_tokens=8, recent_tokens=8, target_ratio=None, key_energy=0.9)
+    with kvtopo.session(Config(**fields, value_energy=0.5)) as s, pytest.raises(ValueError, match="projected once at key_energy"):
+        s.attend("l", q, keys, latent, None, 0.25, shared_value_dim=12)
+    assert not s.layers
+    with kvtopo.session(Config(**fields, value_energy=0.9)) as s:
+        s.attend("l", q, keys, latent, None, 0.25, shared_value_dim=12)
+    assert s.layers["l"].length(0) == 40
+
+
 @pytest.mark.parametrize("policy", ["snapkv", "h2o", "knorm", "streaming", "kivi"])
 def test_energies_are_refused_by_a_policy_that_does_not_project(policy):
     with pytest.raises(ValueError, match=f"policy '{policy}' does not project"):
