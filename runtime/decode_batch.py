@@ -79,7 +79,7 @@ class DecodeBatch:
             return None
         batch, q_heads, _, head_dim = q.shape
         window = None
-        if cache.mid_encoding.evict:  # the windows take each query in place (see Lifecycle.observe)
+        if cache.observes:  # the windows take each query in place (see Lifecycle.observe)
             window = observed_positions(cache.config.observation_window, q_heads, k.shape[1])
             if any(e.observation is None or e.observation.shape[1] != window
                    or (e.observation.is_inference() and not torch.is_inference_mode_enabled()) for e in entries):

@@ -142,14 +142,17 @@ class Lifecycle:
         self.plan = PhasePlan(config.page_size, config.sink_tokens, config.recent_tokens, config.protected_spans)
         self.mid_encoding = policy.mid_encoding()
         self.recent_bits = policy.recent_bits()
+        # Queries are held only where a score reads them: knorm's and streaming's windows cost
+        # bytes under the budget and were never read.
+        self.observes = self.mid_encoding.evict and policy.reads_queries
 
     # -- writing -------------------------------------------------------------------------------
     def observe(self, seq: SequenceState, queries: torch.Tensor, kv_heads: int) -> None:
         """Remember the latest queries [Hq, T, d] (`observed_positions` of them): eviction scores
-        use them (policies that never evict hold none). A chunk longer than the window also
+        use them (policies that never evict, or whose scores read no queries, hold none). A chunk longer than the window also
         leaves its queries for ranking the pages its own append moves (the forward's tensor,
         not a copy: it is dropped once the chunk is stored)."""
-        if not self.mid_encoding.evict:
+        if not self.observes:
             return
         window = observed_positions(self.config.observation_window, queries.shape[0], kv_heads)
         seq.chunk_queries = None

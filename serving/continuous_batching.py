@@ -175,7 +175,7 @@ class _Growth:
         self.first_page_nbytes = 2 * kv_heads * config.page_size * head_dim * dtype.itemsize
         self.reencodes = not (self.mid.identity and self.lifecycle.recent_bits is None)
         window = observed_positions(config.observation_window, q_heads, kv_heads)
-        self.new_sequence_nbytes = q_heads * window * head_dim * 2 if self.mid.evict else 0  # float16 queries
+        self.new_sequence_nbytes = q_heads * window * head_dim * 2 if self.lifecycle.observes else 0  # float16 queries
         # Per Mid epoch, keys and values: float16 directions of rank <= head_dim, float32 means.
         self.bases_nbytes = 2 * kv_heads * head_dim * (head_dim * 2 + 4) if self.mid.project else 0
         # Per token of a chunk with more of its prompt to come: the credit the policy keeps for its

@@ -74,6 +74,7 @@ class Policy:
     tracks_attention_mass: ClassVar[bool] = False
     meets_budgets: ClassVar[bool] = False  # evicts by score to meet a byte budget (else a budget is only reported)
     projects: ClassVar[bool] = False  # reads key_energy / value_energy (principal directions)
+    reads_queries: ClassVar[bool] = True  # its scores read the observation window (else none is held)
 
     def __init__(self, config: "Config"):
         self.config = config

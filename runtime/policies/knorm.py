@@ -11,6 +11,7 @@ from .base import ExactEviction, ScoreInputs
 
 class KNorm(ExactEviction):
     name = "knorm"
+    reads_queries = False
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         return -inputs.keys.float().norm(dim=-1)

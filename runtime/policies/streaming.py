@@ -11,6 +11,7 @@ from .base import MidEncoding, Policy
 
 class Streaming(Policy):
     name = "streaming"
+    reads_queries = False  # ranks nothing
 
     def recent_bits(self):
         return None

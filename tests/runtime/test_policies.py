@@ -550,3 +550,18 @@ def test_bench_quick_runs_and_reports_bytes_from_the_session(monkeypatch):
     assert topo["tokens"] == 2048 + 512 + 4
     assert topo["ratio"] == pytest.approx(topo["tokens"] * bench.FP16_PER_TOKEN / topo["total_bytes"])
     assert sum(topo["per_kind"].values()) == topo["total_bytes"]
+
+
+@pytest.mark.parametrize("policy,holds", [("knorm", False), ("streaming", False), ("snapkv", True), ("topo", True)])
+def test_only_policies_whose_scores_read_queries_hold_them(policy, holds):
+    """knorm and streaming rank without queries: their observation windows were bytes under the
+    budget that no score read. A decode step after the prompt keeps it so."""
+    config = Config(policy=policy, page_size=8, sink_tokens=8, recent_tokens=16, target_ratio=4.0)
+    k, v = _kv(81)
+    q = torch.randn(1, 4, 81, 16, generator=torch.Generator().manual_seed(1))
+    with kvtopo.session(config) as s:
+        s.attend("l", q[:, :, :80], k[None, :, :80], v[None, :, :80], None, 0.25)
+        s.attend("l", q[:, :, 80:], k[None, :, 80:], v[None, :, 80:], None, 0.25)
+        entry = s.layers["l"].stored_state(0)
+        assert (entry.observation is not None) == holds
+        assert s.layers["l"].length(0) == 81
