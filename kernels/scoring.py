@@ -122,10 +122,14 @@ def successor_shares(queries: Tensor, rows: Tensor, k: Tensor, scale, margin: fl
     return out
 
 
-def softmax_mass(q_obs: Tensor, k: Tensor, scale: float) -> Tensor:
-    """Exact attention mass [Hkv, N]: softmax over the N keys per query row, summed over the
-    window's queries and the group's query heads, as ``expfree_scores`` sums its surrogate."""
-    return torch.softmax(_grouped_logits(q_obs, k, scale), dim=-1).sum(1)
+def softmax_mass(q_obs: Tensor, k: Tensor, scale: float, softcap: float | None = None) -> Tensor:
+    """Exact attention mass [Hkv, N]: softmax over the N keys per query row (logits capped as
+    the layer's attention caps them), summed over the window's queries and the group's query
+    heads, as ``expfree_scores`` sums its surrogate."""
+    logits = _grouped_logits(q_obs, k, scale)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return torch.softmax(logits, dim=-1).sum(1)
 
 
 def topk_recall(score: Tensor, reference: Tensor, budget: int) -> float:

@@ -185,6 +185,7 @@ class LayerCache(Lifecycle):
         self.pool: PagePool | None = None
         self._sequences: dict[int, SequenceKV] = {}
         self.scale: float | None = None
+        self.softcap: float | None = None
         # The batch whose decode steps run without Python per sequence (runtime/decode_batch.py);
         # it defers its sequences' counters, so every read of the store writes it back first.
         self.decode_batch = None
@@ -532,7 +533,7 @@ class LayerCache(Lifecycle):
         positions = (torch.tensor(group)[:, None] * P + torch.arange(P)).flatten()
         scores = self.policy.score(ScoreInputs(keys, values, entry.observation, self.scale, mass, chunk,
                                                entry.chunk_queries, self.predecessor_rows(entry, positions),
-                                               self._held_credit_at(entry, positions))).float()
+                                               self._held_credit_at(entry, positions), softcap=self.softcap)).float()
         order = scores.view(scores.shape[0], len(group), P).sort(dim=-1, descending=True, stable=True)
         # Value of a page's k-th survivor: the best of the heads' k-th best scores (falls with k,
         # so taking the best values overall takes a prefix of every page's ranking). The max,
@@ -582,7 +583,8 @@ class LayerCache(Lifecycle):
             key[:, local], values[:, local], entry.observation, self.scale, predecessor_queries=entry.chunk_queries,
             predecessor_rows=self.predecessor_rows(entry, positions),
             # The ranking that ends the wait: at the prompt's end, or once prompt_hold_tokens wait.
-            ranked_with=min(self.mid_tokens_coming(entry, self.budget_length(entry)), self.config.prompt_hold_tokens)))
+            ranked_with=min(self.mid_tokens_coming(entry, self.budget_length(entry)), self.config.prompt_hold_tokens),
+            softcap=self.softcap))
         if credit is not None:
             entry.held_credit.append((positions, credit.float()))
 
@@ -652,7 +654,7 @@ class LayerCache(Lifecycle):
             return keys[:, :0], None if values is None else values[:, :0]
         shown_values = values if values is not None else keys[..., : self.shared_value_dim]
         scores = self.policy.score(ScoreInputs(keys, shown_values, entry.observation, self.scale,
-                                               entry.pages[index].mass))
+                                               entry.pages[index].mass, softcap=self.softcap))
         return _gather((keys, values), best_tokens(scores, keep))
 
     # -- reading -------------------------------------------------------------------------------

@@ -203,7 +203,7 @@ class Session:
                     "places split by a graph break has one site name in both graphs, so both calls would store "
                     "into one cache. Remove the graph break between the calls, or give each call its own module")
             self._forward_layers.add(layer)
-        cache = self._layer_cache(layer, scale, shared_value_dim, window)
+        cache = self._layer_cache(layer, scale, softcap, shared_value_dim, window)
         if declared is not None:
             _check_continuation(layer, declared, cache.longest(), chunk)
         if shared_value_dim:
@@ -244,7 +244,7 @@ class Session:
             raise RuntimeError("kvtopo session used after it was closed")
         if prompt_end < 0:
             raise ValueError(f"prompt_end must be a length >= 0, got {prompt_end}")
-        cache = self._layer_cache(layer, scale, None, None)
+        cache = self._layer_cache(layer, scale, softcap, None, None)
         with self._storing([seq]):
             return self._attend_and_store(cache, [seq], query[None], key[None], value[None], scale, softcap, sinks,
                                           {seq: prompt_end})[0]
@@ -261,7 +261,7 @@ class Session:
         if len(set(seqs)) != len(seqs) or len(seqs) != query.shape[0]:
             raise ValueError(f"attend_sequences needs one row per distinct sequence, got ids {seqs} "
                              f"for {query.shape[0]} rows")
-        cache = self._layer_cache(layer, scale, None, None)
+        cache = self._layer_cache(layer, scale, softcap, None, None)
         with self._storing(seqs):
             return self._attend_and_store(cache, seqs, query, key, value, scale, softcap, sinks, None)
 
@@ -272,7 +272,8 @@ class Session:
         self._unfinished.pop(seq, None)
         self.changes += 1
 
-    def _layer_cache(self, layer: str, scale: float, shared_value_dim: int | None, window: int | None) -> LayerCache:
+    def _layer_cache(self, layer: str, scale: float, softcap: float | None, shared_value_dim: int | None,
+                     window: int | None) -> LayerCache:
         """The store of `layer` for this call (made on first use; a layer keeps the value sharing
         and window it was made with), counting the call."""
         cache = self.layers.get(layer)
@@ -281,7 +282,7 @@ class Session:
         elif cache.shared_value_dim != shared_value_dim or cache.window != window:
             raise ValueError(f"layer {layer!r} was cached with shared_value_dim={cache.shared_value_dim}, "
                              f"window={cache.window}; now called with {shared_value_dim}, {window}")
-        cache.scale = scale
+        cache.scale, cache.softcap = scale, softcap  # what eviction scores see
         self.calls += 1
         self.changes += 1
         return cache

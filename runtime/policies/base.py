@@ -52,7 +52,8 @@ class ScoreInputs:
     -1 where the chunk does not hold it (both None outside a prefill chunk's joint plan);
     held_credit [Hkv, n]: what `Policy.held_credit` gave each token while an earlier chunk of its
     prompt was appended, NaN where nothing (None when no token has any); ranked_with: for
-    `Policy.held_credit`, how many tokens the ranking at the prompt's end will see.
+    `Policy.held_credit`, how many tokens the ranking at the prompt's end will see; softcap: the
+    layer's logit cap (Gemma-2), which softmax mass must apply as attention does.
     """
 
     keys: torch.Tensor
@@ -65,6 +66,7 @@ class ScoreInputs:
     predecessor_rows: torch.Tensor | None = None
     held_credit: torch.Tensor | None = None
     ranked_with: int | None = None
+    softcap: float | None = None
 
 
 class Policy:

@@ -27,4 +27,4 @@ class H2O(ExactEviction):
             return mass[:, :n].float()
         if inputs.queries is None:
             return inputs.keys.new_zeros(inputs.keys.shape[:2], dtype=torch.float32)
-        return softmax_mass(inputs.queries, inputs.keys, inputs.scale)
+        return softmax_mass(inputs.queries, inputs.keys, inputs.scale, inputs.softcap)

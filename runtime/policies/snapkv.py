@@ -35,4 +35,4 @@ class SnapKV(ExactEviction):
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         if inputs.queries is None:
             return inputs.keys.new_zeros(inputs.keys.shape[:2], dtype=torch.float32)
-        return max_pool_tokens(softmax_mass(inputs.queries, inputs.keys, inputs.scale))
+        return max_pool_tokens(softmax_mass(inputs.queries, inputs.keys, inputs.scale, inputs.softcap))

@@ -565,3 +565,27 @@ def test_only_policies_whose_scores_read_queries_hold_them(policy, holds):
         entry = s.layers["l"].stored_state(0)
         assert (entry.observation is not None) == holds
         assert s.layers["l"].length(0) == 81
+
+
+def test_softmax_mass_caps_the_logits_as_the_layer_attends():
+    """On a softcapped layer (Gemma-2) SnapKV's and H2O's mass is the capped softmax's, in float64
+    here; uncapped, large logits ranked other tokens."""
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(4, 6, 16, generator=g) * 6, torch.randn(2, 40, 16, generator=g) * 6
+    cap, scale = 5.0, 0.25
+    logits = scale * q.double().reshape(2, 2 * 6, 16) @ k.double().transpose(1, 2)
+    expected = torch.softmax(cap * torch.tanh(logits / cap), -1).sum(1)
+    torch.testing.assert_close(softmax_mass(q, k, scale, cap).double(), expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(softmax_mass(q, k, scale).double(), expected, rtol=1e-2)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_a_capped_layer_scores_with_its_cap(policy, monkeypatch):
+    seen = []
+    score = POLICIES[policy].score
+    monkeypatch.setattr(POLICIES[policy], "score", lambda self, inputs: (seen.append(inputs.softcap), score(self, inputs))[1])
+    config = Config(policy=policy, page_size=8, sink_tokens=8, recent_tokens=16, target_ratio=4.0)
+    k, v = _kv(80)
+    with kvtopo.session(config) as s:
+        s.attend("l", torch.randn(1, 4, 80, 16), k[None], v[None], None, 0.25, softcap=30.0)
+    assert seen and set(seen) == {30.0}
