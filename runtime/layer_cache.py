@@ -20,7 +20,7 @@ from kvtopo.kernels.decode_inputs import pool_rows
 
 from .codecs import (MidSegment, RecentPage, decode_recent_pages, encode_recent, encode_recent_pages, fit_bases,
                      recent_page_at)
-from .lifecycle import Lifecycle, PageState, SequenceState, check_value_energy, page_room
+from .lifecycle import Lifecycle, PageState, SequenceState, budget_bytes, check_value_energy, page_room
 from .page_pool import PagePool
 from .phases import Phase
 from .policies import Policy, ScoreInputs
@@ -173,12 +173,14 @@ class LayerCache(Lifecycle):
     """The lifecycle (runtime/lifecycle.py) over torch storage: pool slots, codecs, block tables."""
 
     def __init__(self, config: Config, policy: Policy, shared_value_dim: int | None = None,
-                 window: int | None = None):
+                 window: int | None = None, reported_budget: Config | None = None):
         """`shared_value_dim`: values are the first that many dims of the keys and are not
         stored (MLA: the cached latent is both key and value). `window`: a sliding-window
         layer, whose queries see only the last `window` tokens: pages that leave the window go
-        back to the pool (the session gives such layers an exact policy)."""
+        back to the pool (the session gives such layers an exact policy, and its own config as
+        `reported_budget`: the budget `over_budget` reports against, never enforced here)."""
         super().__init__(config, policy)
+        self.reported_budget = reported_budget
         check_value_energy(config, self.mid_encoding, bool(shared_value_dim))
         self.shared_value_dim = shared_value_dim
         self.window = window
@@ -714,9 +716,14 @@ class LayerCache(Lifecycle):
 
     def over_budget(self, seq: int) -> bool:
         """Whether `seq` holds more than its budget now (possible when the exact pages and
-        metadata alone exceed it, e.g. at short contexts)."""
+        metadata alone exceed it, e.g. at short contexts, and on a windowed layer while its exact
+        window outweighs the session's budget)."""
         entry = self._sequences.get(seq)
-        budget = self.budget(self.length(seq)) if entry and self.pool is not None else None
+        if not entry or self.pool is None:
+            return False
+        length = self.length(seq)
+        budget = (self.budget(length) if self.reported_budget is None else
+                  budget_bytes(self.reported_budget, length, self.fp16_token_bytes()))
         return budget is not None and self.sequence_nbytes(entry) > budget
 
     def mid_nbytes(self, entry: SequenceKV) -> int:

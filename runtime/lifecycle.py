@@ -72,6 +72,16 @@ def check_value_energy(config: Config, mid_encoding: MidEncoding, shares_values:
                          "value_energy unset or equal to key_energy")
 
 
+def budget_bytes(config: Config, length: int, fp16_token_bytes: int) -> float | None:
+    """Bytes one sequence-layer may hold at `length` tokens under `config` (None: no budget)."""
+    limits = []
+    if config.target_ratio is not None:
+        limits.append(length * fp16_token_bytes / config.target_ratio)
+    if config.layer_budget_bytes is not None:
+        limits.append(config.layer_budget_bytes)
+    return min(limits) if limits else None
+
+
 class BudgetExceeded(RuntimeError):
     """The byte budget cannot be met even by evicting a whole Mid page (over_budget="raise")."""
 
@@ -327,12 +337,7 @@ class Lifecycle:
 
     def budget(self, length: int) -> float | None:
         """Bytes one sequence-layer may hold at `length` tokens (None: no budget)."""
-        limits = []
-        if self.config.target_ratio is not None:
-            limits.append(length * self.fp16_token_bytes() / self.config.target_ratio)
-        if self.config.layer_budget_bytes is not None:
-            limits.append(self.config.layer_budget_bytes)
-        return min(limits) if limits else None
+        return budget_bytes(self.config, length, self.fp16_token_bytes())
 
     def keep_count(self, seq: SequenceState, page: PageState) -> int:
         """How many of its tokens a page entering Mid keeps: the policy's cap, then what the

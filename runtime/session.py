@@ -289,11 +289,13 @@ class Session:
 
     def _new_layer(self, shared_value_dim: int | None, window: int | None) -> LayerCache:
         """A layer's store. A windowed layer only ever needs its last `window` tokens, so it keeps
-        them exactly (the compression policy applies to the global layers) and frees the rest."""
+        them exactly (the compression policy applies to the global layers) and frees the rest; its
+        bytes are measured against the session's budget (`stats().budget_missed`), never evicted
+        for it."""
         if window is None:
             return LayerCache(self.config, self.policy, shared_value_dim)
         exact = Config.lossless(page_size=self.config.page_size, max_pages=self.config.max_pages)
-        return LayerCache(exact, make_policy(exact), shared_value_dim, window=window)
+        return LayerCache(exact, make_policy(exact), shared_value_dim, window=window, reported_budget=self.config)
 
     def model_name(self, model_key: torch.Tensor) -> str:
         """'model0', 'model1', ... in the order the session first sees each model's key parameter."""

@@ -103,3 +103,22 @@ def test_default_config_compresses_global_layers_only(name):
             assert kinds["mid"] == 0 and stats.held_tokens[layer][0] <= window + PAGE
         else:
             assert kinds["mid"] > 0 and stats.held_tokens[layer][0] < 167
+
+
+@pytest.mark.parametrize("over_budget", ["evict", "raise"])
+def test_a_windowed_layer_over_the_budget_is_reported(over_budget):
+    """A windowed layer keeps its window exact (the model attends every token in it), so it is
+    never evicted for the budget; while that window outweighs the session's budget it is reported
+    in `budget_missed` (before, a layer over `layer_budget_bytes` counted as within it)."""
+    k, v = torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16)
+    q = torch.randn(1, 4, 100, 16)
+    held = {}
+    for cap in (2_000, 1_000_000):
+        config = kvtopo.Config(page_size=PAGE, sink_tokens=8, recent_tokens=16, target_ratio=None,
+                               layer_budget_bytes=cap, over_budget=over_budget)
+        with kvtopo.session(config) as s:
+            s.attend("w", q, k, v, None, 0.25, window=32)
+            stats, cache = s.stats(), s.layers["w"]
+            held[cap] = cache.sequence_nbytes(cache.sequences[0])
+        assert stats.budget_missed == (held[cap] > cap), (cap, held[cap])
+    assert held[2_000] > 2_000 and held[1_000_000] < 1_000_000  # both sides of the cap are seen
