@@ -159,9 +159,9 @@ class Lifecycle:
     # -- writing -------------------------------------------------------------------------------
     def observe(self, seq: SequenceState, queries: torch.Tensor, kv_heads: int) -> None:
         """Remember the latest queries [Hq, T, d] (`observed_positions` of them): eviction scores
-        use them (policies that never evict, or whose scores read no queries, hold none). A chunk longer than the window also
-        leaves its queries for ranking the pages its own append moves (the forward's tensor,
-        not a copy: it is dropped once the chunk is stored)."""
+        use them (policies that never evict, or whose scores read no queries, hold none). A chunk
+        longer than the window also leaves its queries for ranking the pages its own append moves
+        (the forward's tensor, not a copy: it is dropped once the chunk is stored)."""
         if not self.observes:
             return
         window = observed_positions(self.config.observation_window, queries.shape[0], kv_heads)
