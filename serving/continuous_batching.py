@@ -170,14 +170,14 @@ class _Growth:
         self.plan, self.mid = self.lifecycle.plan, self.lifecycle.mid_encoding
         self.layers = [str(i) for i in range(model_config.num_hidden_layers)]
         kv_heads, q_heads = find_num_key_value_heads(model_config), model_config.num_attention_heads
-        head_dim = find_head_dim(model_config)
+        key_dim, value_dim = attention_dims(model_config)
         # The exact page before the layer's pool exists (LayerCache makes it from the first k/v).
-        self.first_page_nbytes = 2 * kv_heads * config.page_size * head_dim * dtype.itemsize
+        self.first_page_nbytes = kv_heads * config.page_size * (key_dim + value_dim) * dtype.itemsize
         self.reencodes = not (self.mid.identity and self.lifecycle.recent_bits is None)
         window = observed_positions(config.observation_window, q_heads, kv_heads)
-        self.new_sequence_nbytes = q_heads * window * head_dim * 2 if self.lifecycle.observes else 0  # float16 queries
-        # Per Mid epoch, keys and values: float16 directions of rank <= head_dim, float32 means.
-        self.bases_nbytes = 2 * kv_heads * head_dim * (head_dim * 2 + 4) if self.mid.project else 0
+        self.new_sequence_nbytes = q_heads * window * key_dim * 2 if self.lifecycle.observes else 0  # float16 queries
+        # Per Mid epoch, keys and values: float16 directions of rank <= their dims, float32 means.
+        self.bases_nbytes = kv_heads * sum(d * (d * 2 + 4) for d in (key_dim, value_dim)) if self.mid.project else 0
         # Per token of a chunk with more of its prompt to come: the credit the policy keeps for its
         # ranking at the prompt's end (`Policy.held_credit`; topo's successor shares).
         keeps = self.mid.evict and session.policy.keeps_held_credit
@@ -239,6 +239,14 @@ class _Growth:
         if entry is None or entry.mid is None:
             return self.lifecycle.reaches_mid(length)
         return entry.next_refit is not None and length >= entry.next_refit
+
+
+def attention_dims(model_config) -> tuple[int, int]:
+    """(key/query dim, value dim) of the model's attention heads: `head_dim`, except where the
+    config sets them apart (DeepSeek's MLA: `qk_head_dim` and `v_head_dim`, `head_dim` being its
+    RoPE part only)."""
+    head_dim = find_head_dim(model_config)
+    return getattr(model_config, "qk_head_dim", None) or head_dim, getattr(model_config, "v_head_dim", None) or head_dim
 
 
 def _prompt_length(state) -> int:

@@ -449,3 +449,16 @@ def test_kvtopo_generate_refuses_a_session_an_engine_serves_from():
     model = kvtopo.compile(zoo.build("llama"), inductor=False)
     with session, pytest.raises(RuntimeError, match="holds the requests of a continuous-batching engine"):
         kvtopo.generate(model, torch.tensor([_prompts([10], seed=1)[0]]), 2)
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek-v3"])
+def test_a_new_layers_first_page_is_priced_at_its_real_size(name):
+    """Before a layer's pool exists, byte admission prices its first page from the model config:
+    keys and values at their own widths (DeepSeek's `qk_head_dim` and `v_head_dim`; its `head_dim`
+    is the RoPE part only, which priced the page at under half its size)."""
+    model = zoo.build(name)
+    session = Session(Config.lossless())
+    growth = continuous_batching._Growth(session, model.config, torch.float32)
+    generate_batch(model, _prompts((20,)), session=session, max_new_tokens=2, generation_config=GREEDY,
+                   kv_budget_bytes=10**7)
+    assert {cache.pool.page_nbytes for cache in session.layers.values()} == {growth.first_page_nbytes}
