@@ -213,19 +213,18 @@ class Session:
         with self._storing(range(batch)):  # rows with padding are stored apart: an error may stop between them
             if len(full) == batch:
                 out = self._attend_and_store(cache, full, query, key, value, scale, softcap, sinks, self._prompt_end)
-                cache.columns += chunk
-                return out
-            out = query.new_zeros(*query.shape[:-1], value.shape[-1])
-            if full:
-                out[full] = self._attend_and_store(cache, full, query[full], key[full], value[full], scale, softcap,
-                                                   sinks, self._prompt_end)
-            for b in sorted(set(range(batch)) - set(full)):  # rows with padding: their real tokens only
-                rows = valid[b].nonzero().squeeze(1)
-                if not rows.numel():  # padding only: nothing to attend or store, its output stays zero
-                    continue
-                one = slice(b, b + 1), slice(None), rows
-                out[b, :, rows] = self._attend_and_store(cache, [b], query[one], key[one], value[one], scale, softcap,
-                                                         sinks, self._prompt_end)[0]
+            else:
+                out = query.new_zeros(*query.shape[:-1], value.shape[-1])
+                if full:
+                    out[full] = self._attend_and_store(cache, full, query[full], key[full], value[full], scale,
+                                                       softcap, sinks, self._prompt_end)
+                for b in sorted(set(range(batch)) - set(full)):  # rows with padding: their real tokens only
+                    rows = valid[b].nonzero().squeeze(1)
+                    if not rows.numel():  # padding only: nothing to attend or store, its output stays zero
+                        continue
+                    one = slice(b, b + 1), slice(None), rows
+                    out[b, :, rows] = self._attend_and_store(cache, [b], query[one], key[one], value[one], scale,
+                                                             softcap, sinks, self._prompt_end)[0]
         cache.columns += chunk
         return out
 

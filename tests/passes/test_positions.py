@@ -121,15 +121,21 @@ def test_a_batch_whose_rows_are_all_padded_continues_from_its_columns():
     with torch.no_grad():
         expected = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     kvtopo.compile(model, inductor=False)
-    chunks = []
-    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
-        for a, b in ((0, 12), (12, 29), (29, 30)):
-            with s.step(mask[:, a:b].bool()):
-                chunks.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, a:b]).logits)
-        assert s.stats().tokens == (27, 25)
-    got = torch.cat(chunks, 1)
+    got, tokens = _padded_chunks(model, ids, mask, ((0, 12), (12, 29), (29, 30)))
+    assert tokens == (27, 25)
     real = mask.bool()
     torch.testing.assert_close(got[real], expected[real], atol=1e-4, rtol=0)
+
+
+def _padded_chunks(model, ids, mask, cuts):
+    """The logits of a left-padded batch fed in chunks `cuts` through a lossless session, each
+    step marking its padding, and the tokens each row stored."""
+    chunks = []
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
+        for a, b in cuts:
+            with s.step(mask[:, a:b].bool()):
+                chunks.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, a:b]).logits)
+        return torch.cat(chunks, 1), s.stats().tokens
 
 
 GIVEN = torch.ops.kvtopo.given_positions.default
@@ -351,13 +357,9 @@ def test_a_count_of_a_padded_rows_mask_continues_from_its_stored_tokens():
     with torch.no_grad():
         expected = model(ids, attention_mask=mask, use_cache=False).logits
     kvtopo.compile(model, inductor=False)
-    chunks = []
-    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as s:
-        for a, b in ((0, 13), (13, 29), (29, 30)):
-            with s.step(mask[:, a:b].bool()):
-                chunks.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, a:b]).logits)
+    got, _ = _padded_chunks(model, ids, mask, ((0, 13), (13, 29), (29, 30)))
     real = mask.bool()
-    torch.testing.assert_close(torch.cat(chunks, 1)[real], expected[real], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[real], expected[real], atol=1e-4, rtol=0)
 
 
 def test_a_count_that_includes_the_cache_length_is_not_shifted_again():
