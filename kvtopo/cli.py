@@ -7,7 +7,8 @@
 Each subcommand is one `_add_<name>(subparsers)` function that registers its parser and sets
 `run=<handler>`; a handler takes the parsed arguments and returns the exit code. To add a
 subcommand (e.g. `export`), write its `_add_...` function and list it in `SUBCOMMANDS`.
-Usage errors (bad arguments, unknown model names) exit with status 2, like argparse's own.
+Usage errors (bad arguments, unknown model names) exit with status 2, like argparse's own; a real
+model that cannot be fetched or verified (`pretrained.FetchError`) exits with status 1 and its reason.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from kvtopo.export_cli import add_export
+from kvtopo.models.pretrained import FetchError
 
 
 class UsageError(Exception):
@@ -144,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except UsageError as err:
         parser.exit(2, f"{parser.prog} {args.command}: error: {err}\n")
+    except FetchError as err:  # its message says what was wrong and what to do: no traceback
+        parser.exit(1, f"{parser.prog} {args.command}: error: {err}\n")
 
 
 if __name__ == "__main__":

