@@ -83,7 +83,10 @@ def parse_config(text: str | None):
         if not isinstance(fields, dict):
             raise UsageError(f"--config: expected a JSON object of Config fields, got a {type(fields).__name__}")
         if "protected_spans" in fields:
-            fields["protected_spans"] = tuple(tuple(s) for s in fields["protected_spans"])
+            # JSON has no tuples; anything else is left for Config to refuse with its own message.
+            spans = fields["protected_spans"]
+            if isinstance(spans, list):
+                fields["protected_spans"] = tuple(tuple(s) if isinstance(s, list) else s for s in spans)
         return Config(**fields)
     except (OSError, json.JSONDecodeError, TypeError, ValueError) as err:
         raise UsageError(f"--config: {err}") from None
@@ -101,20 +104,33 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--config", metavar="JSON", default=None,
                    help="kvtopo Config fields as JSON, inline or a file path (default: Config())")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: 127.0.0.1)")
-    p.add_argument("--port", type=_positive_int, default=8000, help="listen port (default: 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="listen port, 1-65535 (default: 8000)")
     p.add_argument("--dtype", default="auto", help="model dtype, as transformers serve takes it (default: auto)")
     p.set_defaults(run=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from kvtopo.serving.serve import start_server
+    from kvtopo.serving.serve import ServerStartError, start_server
 
     config = parse_config(args.config)
     try:
         start_server(args.model, config, host=args.host, port=args.port, block=True, dtype=args.dtype)
     except FileNotFoundError as err:
         raise UsageError(str(err)) from None
+    except ServerStartError as err:
+        print(f"kvtopo serve: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # the server and its engine are stopped
+        print("kvtopo serve: stopped", file=sys.stderr)
+        return 130
     return 0
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: 1-65535")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import signal
 import sys
 import threading
 import time
@@ -93,6 +94,9 @@ class KvtopoServer:
 
     def stop(self) -> None:
         """Stop serving and close the session (from any thread)."""
+        # Told directly: kill_server skips it when the thread looks stopped, as it does on Python
+        # 3.11 after a join() interrupted by Ctrl-C (the interrupted wait marks it stopped).
+        self._serve.server.should_exit = True
         self._serve.kill_server()
         if self.session.active:
             self._context.run(self.session.__exit__, None, None, None)
@@ -107,11 +111,18 @@ def _model_spec(model: str) -> str:
         if not Path(directory).is_dir() or (gguf and not (Path(directory) / gguf).is_file()):
             raise FileNotFoundError(f"model {model!r} is not a checkpoint directory or <dir>:<file>.gguf here "
                                     "(kvtopo serves local models only; or name smollm2)")
+        if not gguf and not (Path(directory) / "config.json").is_file():
+            raise FileNotFoundError(f"model {model!r} is a directory without a config.json: not a transformers "
+                                    "checkpoint (save one with model.save_pretrained, or name <dir>:<file>.gguf)")
         return model
     from kvtopo.models import pretrained
 
     path = pretrained.weights_path()
     return f"{path.parent}:{path.name}"
+
+
+class ServerStartError(RuntimeError):
+    """transformers' server stopped before it listened (e.g. its address was in use)."""
 
 
 def start_server(model: str, config: Config | None = None, *, host: str = "127.0.0.1", port: int = 8000,
@@ -120,12 +131,16 @@ def start_server(model: str, config: Config | None = None, *, host: str = "127.0
     `<dir>:<file>.gguf`, or `smollm2`) with kvtopo `config` (default `Config()`) as the KV cache.
 
     `block=False` returns once the server answers /health (within `timeout` seconds, the model
-    loaded); `block=True` serves until interrupted. `serve_options`: other `transformers serve`
-    options (e.g. `cb_max_batch_tokens=256`, `dtype="float32"`)."""
+    loaded); `block=True` serves until interrupted (Ctrl-C or SIGTERM), then stops the engine and
+    closes the session. Raises `ServerStartError` if the server cannot listen (a taken port), so a
+    caller never gets another server's URL. `serve_options`: other `transformers serve` options
+    (e.g. `cb_max_batch_tokens=256`, `dtype="float32"`)."""
     check_transformers_version()
     from transformers.cli.serve import Serve
     from transformers.utils.import_utils import is_serve_available
 
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"start_server(config=...) takes a kvtopo.Config, got {type(config).__name__}")
     if not is_serve_available():
         raise ImportError("kvtopo serve runs transformers' server, which needs fastapi, uvicorn, pydantic and openai: "
                           "pip install -e '.[serve]'")
@@ -139,29 +154,65 @@ def start_server(model: str, config: Config | None = None, *, host: str = "127.0
     context.run(session.__enter__)
     try:
         with _server_loads_models_with(session):
+            # Always in uvicorn's own thread: run in this one (transformers' blocking mode), an
+            # interrupt stopped uvicorn but not the engine's worker thread, and the process hung.
             serve = Serve(force_model=spec, continuous_batching=True, device="cpu", host=host,
-                          port=port, non_blocking=not block, **serve_options)
+                          port=port, non_blocking=True, **serve_options)
     except BaseException:
         context.run(session.__exit__, None, None, None)
         raise
     server = KvtopoServer(url, spec, session, serve, context)
-    if not block:
-        _wait_until_up(server, timeout)
+    try:
+        _wait_until_up(server, None if block else timeout)
+        if block:
+            with _sigterm_interrupts():
+                while serve._thread.is_alive():  # until Ctrl-C (KeyboardInterrupt here) or the server exits
+                    time.sleep(0.2)  # not join(): see stop()
+    except BaseException:
+        server.stop()
+        raise
+    if block:
+        server.stop()
     return server
 
 
-def _wait_until_up(server: KvtopoServer, timeout: float) -> None:
+@contextmanager
+def _sigterm_interrupts():
+    """SIGTERM stops a blocking server as Ctrl-C does (uvicorn, off the main thread, no longer
+    handles signals itself)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _wait_until_up(server: KvtopoServer, timeout: float | None) -> None:
+    """Until uvicorn listens and the app answers /health. Listening is judged by uvicorn's own
+    flag, not by /health alone: on a taken port another server answers it. The caller stops the
+    server if this raises."""
     import urllib.request
 
-    deadline = time.monotonic() + timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
+    listening = server._serve.server
     while True:
-        try:
-            with urllib.request.urlopen(server.url + "/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            server.stop()
+        if not listening.started and not server._serve._thread.is_alive():
+            raise ServerStartError(f"the kvtopo server could not listen at {server.url} (its log above says why, "
+                                   "e.g. the address is already in use)")
+        if listening.started:
+            try:
+                with urllib.request.urlopen(server.url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+        if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"the kvtopo server at {server.url} did not answer /health within {timeout:.0f} s")
         time.sleep(0.2)

@@ -18,7 +18,9 @@ layers take and return plain local tensors, so attention sees a rank's heads as 
 and each rank's session stores only its own kv-heads' pages. The one collective of the attention
 block, o_proj's all-reduce, runs after the kvtopo op. The parameters stay DTensors, which is why
 the passes name the model by a plain (replicated) parameter (`passes.graph_utils.model_key`).
-With autograd on, transformers switches to DTensor activations, which the kvtopo op does not take.
+Where a model's plan leaves attention whole (DeepSeek-V3's MLA: only the MLP and experts are
+sharded, `shards_attention`), every rank runs every head and stores the whole latent, as one
+process does; tokens are still the single-process model's.
 
 Compression is decided per rank, with no communication. The store decides per kv-head or over
 its own (sequence, layer) store: Mid codes and projection bases are per head, and the budget is
@@ -41,7 +43,7 @@ import os
 
 import torch
 
-__all__ = ["load_tensor_parallel", "stored_kv_heads"]
+__all__ = ["load_tensor_parallel", "shards_attention", "stored_kv_heads"]
 
 
 def load_tensor_parallel(path, *, tp_size: int | None = None, inductor: bool = True,
@@ -49,8 +51,9 @@ def load_tensor_parallel(path, *, tp_size: int | None = None, inductor: bool = T
     """Load the checkpoint at `path` with `tp_plan="auto"` across the processes torchrun (or its
     RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables) started, and compile it with kvtopo
     in place. transformers starts the process group (gloo on CPU) and the device mesh.
-    `tp_size`: ranks to shard over (default: the world size). Raises if the model's query or
-    kv-head count does not divide by it: a rank would otherwise hold part of a GQA group."""
+    `tp_size`: ranks to shard over (default: the world size). Where the plan shards attention,
+    raises if the model's query or kv-head count does not divide by it: a rank would otherwise
+    hold part of a GQA group."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -60,7 +63,7 @@ def load_tensor_parallel(path, *, tp_size: int | None = None, inductor: bool = T
         raise ValueError(f"load_tensor_parallel: tp_size={size!r} is invalid: None (the world size) or an int >= 1")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads % size or kv_heads % size:
+    if shards_attention(config) and (heads % size or kv_heads % size):
         raise ValueError(f"tensor parallel over {size} ranks needs the heads to divide: {type(config).__name__} "
                          f"has {heads} query heads and {kv_heads} kv-heads")
     model = AutoModelForCausalLM.from_pretrained(
@@ -69,6 +72,12 @@ def load_tensor_parallel(path, *, tp_size: int | None = None, inductor: bool = T
     model.eval()
     model.compile(backend="kvtopo", options={"inductor": inductor})
     return model
+
+
+def shards_attention(config) -> bool:
+    """Whether the model's tensor-parallel plan splits attention by heads. DeepSeek-V3's (MLA)
+    shards only its MLP and experts: every rank runs all heads and stores the whole latent."""
+    return any(".self_attn." in module for module in (getattr(config, "base_model_tp_plan", None) or {}))
 
 
 def stored_kv_heads(session) -> dict[str, int]:

@@ -42,7 +42,7 @@ def test_inspect_in_process_with_eager_attention(capsys):
 
 
 @pytest.mark.parametrize("argv", [[], ["inspect"], ["inspect", "llama", "--tokens", "0"],
-                                  ["inspect", "llama", "--attn", "flash"]])
+                                  ["inspect", "llama", "--attn", "flash"], ["serve", "/tmp", "--port", "70000"]])
 def test_bad_command_lines_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
@@ -53,6 +53,8 @@ def test_bad_command_lines_exit_2(argv, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["serve", "/nonexistent/checkpoint"], "is not a checkpoint directory"),
     (["serve", "/tmp", "--config", '{"bogus": 1}'], "--config: "),
+    (["serve", "/tmp", "--config", '{"protected_spans": [1, 2]}'], "protected_spans"),
+    (["serve", "/", "--config", '{}'], "is a directory without a config.json"),
 ])
 def test_serve_refuses_what_it_cannot_load_before_starting(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -125,3 +125,68 @@ def test_the_real_model_answers_concurrent_chats_through_kvtopo():
     assert peak is not None and len(peak.tokens) == 2 and len(peak.per_layer) == 30
     assert not page_ownership_errors(server.session)
     assert all(cache.pool.live_pages == 0 for cache in server.session.layers.values())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # uvicorn's exit on the failed bind
+def test_a_taken_port_raises_instead_of_returning_another_servers_url(checkpoint):
+    """Another HTTP server on the port answers /health: start_server returned at once, its URL
+    served by that other process. Now uvicorn's failed bind is an error, and the session closed."""
+    import http.server
+
+    from kvtopo.serving.serve import ServerStartError
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.HTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ServerStartError, match=f"could not listen at http://127.0.0.1:{other.server_port}"):
+            start_server(str(checkpoint[0]), Config.lossless(), port=other.server_port, dtype="float32", timeout=60)
+    finally:
+        other.shutdown()
+    assert active_session() is None
+
+
+def test_start_server_names_a_config_of_the_wrong_type(checkpoint):
+    with pytest.raises(TypeError, match="takes a kvtopo.Config, got dict"):
+        start_server(str(checkpoint[0]), {"target_ratio": 8})
+
+
+def test_kvtopo_serve_stops_on_ctrl_c_after_serving(checkpoint):
+    """After a request, Ctrl-C stopped uvicorn but not the engine's worker thread: the process
+    never exited. Now it stops both and exits 130."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path, _, _ = checkpoint
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvtopo", "serve", str(path), "--port", str(port),
+                             "--config", '{"page_size": 16}', "--dtype", "float32"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        server = type("Url", (), {"url": f"http://127.0.0.1:{port}"})
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                answer = _chat(server, str(path), _prompts([12])[0])
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "kvtopo serve did not come up"
+                time.sleep(0.5)
+        assert answer
+        proc.send_signal(signal.SIGINT)
+        stderr = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "kvtopo serve: stopped" in stderr

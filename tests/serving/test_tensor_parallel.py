@@ -117,6 +117,33 @@ def test_a_tp_size_that_is_not_a_positive_int_is_refused(checkpoint, size):
         load_tensor_parallel(checkpoint[1], tp_size=size)
 
 
+def test_heads_must_divide_only_where_the_plan_shards_attention(tmp_path, monkeypatch):
+    """DeepSeek-V3's plan (MLA) shards only the MLP and experts: its head count need not divide by
+    the ranks (before, such a model was refused for heads no rank splits)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvtopo.models import zoo
+    from kvtopo.serving.tensor_parallel import load_tensor_parallel, shards_attention
+
+    llama, deepseek = zoo.build("llama").config, zoo.build("deepseek-v3").config
+    assert shards_attention(llama) and not shards_attention(deepseek)
+    assert deepseek.num_attention_heads % 3 and llama.num_attention_heads % 3
+
+    class Loaded(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", load)
+    deepseek.save_pretrained(tmp_path / "deepseek")
+    with pytest.raises(Loaded):
+        load_tensor_parallel(tmp_path / "deepseek", tp_size=3)
+    llama.save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="needs the heads to divide: LlamaConfig has 4 query heads and 2 kv-heads"):
+        load_tensor_parallel(tmp_path / "llama", tp_size=3)
+
+
 def test_lossless_tokens_equal_the_single_process_model(ranks, single_process):
     reference, _ = single_process
     assert [r["lossless"]["tokens"] for r in ranks] == [reference] * WORLD
