@@ -259,12 +259,12 @@ def test_positions_op_is_identity_outside_a_session_and_shifts_inside():
     assert torch.equal(POSITIONS(x, key), x)
 
 
-@pytest.mark.parametrize("inductor", [False, True])
-def test_compiled_model_outside_a_session_is_unchanged(inductor):
+def test_compiled_model_outside_a_session_is_unchanged():
+    """(Inductor outside a session: tests/passes/test_zoo_sites.py; in one, the chunks above.)"""
     model = zoo.build("llama")
     ids = _ids(length=30)
     expected, expected_middle = _full_logits(model, ids), _full_logits(model, ids[:, 10:20])
-    kvtopo.compile(model, inductor=inductor)
+    kvtopo.compile(model, inductor=False)
     with torch.no_grad():
         for _ in range(2):  # no state carries over between calls outside a session
             torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
