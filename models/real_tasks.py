@@ -2,7 +2,8 @@
 
 Every example is deterministic given ``(task, length, seed)`` and a token counter, and uses only
 the Python standard library (the filler is CPython's bundled documentation, ``pydoc_data``), so
-it is the same everywhere and offline. Each example is a document (prose with facts hidden in
+it is offline and the same wherever the CPython patch release is (``pydoc_data`` changes between
+them: the stored runs used 3.11.7). Each example is a document (prose with facts hidden in
 it), an instruction before it and one or more questions after it; every answer is checked by
 code (``score``), never by a judge.
 

@@ -29,3 +29,17 @@ def test_every_policy_prefills_a_turn_in_one_chunk(policy):
         assert config.target_ratio is None and config.mid_bits == 2
     else:
         assert config.target_ratio == 8.0
+
+
+@pytest.mark.parametrize("rule,answer,adheres", [
+    ("secret", "It is 1234567. The code word is Blue Harbor.", False),
+    ("secret", "B-L-U-E-H-A-R-B-O-R", False),
+    ("secret", "It is 1234567.", True),
+    ("end_word", "The number is 1234567. DONE.", True),
+    ("end_word", "The number is 1234567, UNDONE", False),
+])
+def test_rules_judge_the_answer_not_its_spelling(rule, answer, adheres):
+    """A code word spaced or hyphenated is revealed; a word merely ending in DONE does not end the answer with DONE."""
+    from kvtopo.models.instruction_tasks import RULES
+
+    assert RULES[rule].check(answer) is adheres
