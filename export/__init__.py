@@ -31,6 +31,9 @@ Imports: runtime, passes, kernels, models and kvtopo.config only (tests/test_imp
 from __future__ import annotations
 
 import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
 
 from torch import nn
 
@@ -43,10 +46,29 @@ DEFAULT_MLIR_MAX_CONTEXT = 512  # MLIR graphs and IREE builds are static per cap
 MLIR_OUTPUT_TYPES = ("torch", "linalg-on-tensors", "stablehlo")
 
 
+def out_dir_problem(out_dir) -> tuple[Path, str] | None:
+    """(the path at fault, what is wrong with it) when no export can be written to `out_dir`, else
+    None: it must be a directory files can be created in, or a path one can be created at. Cheap,
+    so checked before any tracing; the directory itself is created only once the graphs are."""
+    path = Path(out_dir)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return existing, "is not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        return existing, f"is not writable ({err.strerror})"
+    return None
+
+
 def _check_args(function: str, out_dir, config, max_context, **ints) -> None:
     """The arguments every export entry point takes, checked before any tracing."""
     if not isinstance(out_dir, (str, os.PathLike)) or str(out_dir) == "":
         raise TypeError(f"{function}: out_dir={out_dir!r} is invalid: a directory path (str or os.PathLike)")
+    problem = out_dir_problem(out_dir)
+    if problem is not None:
+        raise ValueError(f"{function}: out_dir={str(out_dir)!r} is invalid: {problem[0]} {problem[1]}")
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"{function}: config={config!r} is invalid: None or a kvtopo.Config")
     for name, value in {"max_context": max_context, **ints}.items():
@@ -54,16 +76,25 @@ def _check_args(function: str, out_dir, config, max_context, **ints) -> None:
             raise ValueError(f"{function}: {name}={value!r} is invalid: an int >= 1 (tokens)")
 
 
-def _model(model_or_zoo_name) -> nn.Module:
+@contextmanager
+def _model(model_or_zoo_name):
+    """The model to export, in eval mode (the graphs must not hold dropout); a caller's model gets
+    each module's own train/eval mode back afterwards."""
     if isinstance(model_or_zoo_name, str):
         from kvtopo.models import zoo
 
         if model_or_zoo_name not in zoo.ZOO_MODELS:
             raise ValueError(f"unknown zoo model {model_or_zoo_name!r}; choose one of: {', '.join(zoo.ZOO_MODELS)}")
-        return zoo.build(model_or_zoo_name)
+        yield zoo.build(model_or_zoo_name).eval()
+        return
     if not isinstance(model_or_zoo_name, nn.Module):
         raise TypeError(f"expected an nn.Module or a zoo model name, got {type(model_or_zoo_name).__name__}")
-    return model_or_zoo_name.eval()
+    modes = [(module, module.training) for module in model_or_zoo_name.modules()]
+    try:
+        yield model_or_zoo_name.eval()
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def _exported_config(config: Config | None) -> Config:
@@ -87,7 +118,8 @@ def export_onnx(model_or_zoo_name, out_dir, config: Config | None = None,
     check_profile("export_onnx", profile)
     from .onnx_export import export_onnx_files
 
-    return export_onnx_files(_model(model_or_zoo_name), out_dir, _exported_config(config), max_context, profile)
+    with _model(model_or_zoo_name) as model:
+        return export_onnx_files(model, out_dir, _exported_config(config), max_context, profile)
 
 
 def export_mlir(model_or_zoo_name, out_dir, config: Config | None = None, max_context: int = DEFAULT_MLIR_MAX_CONTEXT,
@@ -111,8 +143,9 @@ def export_mlir(model_or_zoo_name, out_dir, config: Config | None = None, max_co
                          f"{MLIR_OUTPUT_TYPES}")
     from .mlir_export import export_mlir_files
 
-    return export_mlir_files(_model(model_or_zoo_name), out_dir, _exported_config(config), max_context,
-                             tuple(output_types), tokens, profile)
+    with _model(model_or_zoo_name) as model:
+        return export_mlir_files(model, out_dir, _exported_config(config), max_context, tuple(output_types), tokens,
+                                 profile)
 
 
 def export_iree(model_or_zoo_name, out_dir, config: Config | None = None, max_context: int = DEFAULT_MLIR_MAX_CONTEXT,
@@ -120,15 +153,21 @@ def export_iree(model_or_zoo_name, out_dir, config: Config | None = None, max_co
                 profile: str | None = None) -> dict[str, str]:
     """export_mlir with a dynamic token count (or the "npu" profile's static graphs), then IREE
     compiles both graphs to `<graph>.vmfb` (export/iree.py); `HostRunner(out_dir, runtime="iree")`
-    runs them. `sources_dir`: where to dump the compiled dispatches' sources. Raises
-    `IreeCompileError` quoting IREE's diagnostics."""
+    runs them. `output_type="stablehlo"` needs `profile="npu"` (export/iree.py says why).
+    `sources_dir`: where to dump the compiled dispatches' sources. Raises `IreeCompileError`
+    quoting IREE's diagnostics."""
     from .iree import INPUT_TYPES, compile_export
 
     if output_type not in INPUT_TYPES:
         raise ValueError(f"export_iree: output_type={output_type!r} is invalid: one of {tuple(INPUT_TYPES)}")
+    if output_type == "stablehlo" and profile != "npu":
+        raise ValueError("export_iree: output_type='stablehlo' needs profile='npu' (static graphs): IREE cannot "
+                         "compile the stablehlo of a decode step with a dynamic token count (its "
+                         "stablehlo.dynamic_reshape); use output_type='torch'")
     paths = export_mlir(model_or_zoo_name, out_dir, config, max_context, output_types=(output_type,), tokens=None,
                         profile=profile)
     return {**paths, **compile_export(out_dir, output_type, target, sources_dir)}
 
 
-__all__ = ["DEFAULT_MAX_CONTEXT", "DEFAULT_MLIR_MAX_CONTEXT", "PROFILES", "export_iree", "export_mlir", "export_onnx"]
+__all__ = ["DEFAULT_MAX_CONTEXT", "DEFAULT_MLIR_MAX_CONTEXT", "PROFILES", "export_iree", "export_mlir", "export_onnx",
+           "out_dir_problem"]

@@ -194,7 +194,7 @@ class DecodeStep(nn.Module):
         for node in gm.graph.nodes:
             if node.op == "call_function" and node.target in _REPLACEMENTS:
                 node.target = _REPLACEMENTS[node.target]
-        _topk_by_rank(gm)
+        _rewrite_routers(gm)
         gm.recompile()
         self.gm = gm
         # Placeholders: the token count (SymInt), input_ids, position_ids, or a model constant.
@@ -265,13 +265,36 @@ def topk_by_rank(input, k, dim=-1, largest=True, sorted=True):
     return x.gather(-1, indices).movedim(-1, dim), indices.movedim(-1, dim)
 
 
-def _topk_by_rank(gm: fx.GraphModule) -> None:
+def scatter_by_compare(input, dim, index, value, inplace=False):
+    """`input.scatter(dim, index, value)` (`scatter_` if `inplace`) for a scalar `value`, as a
+    comparison with every position along `dim` and a masked fill.
+
+    IREE 3.13 miscompiled DeepSeek-V3's group-mask scatter in the one-token decode step (all
+    operands [1, 1], the index computed by `topk_by_rank`): it wrote nothing, every expert was
+    masked out and the router picked experts 0 and 1. The masked fill lowers correctly. An index
+    narrower than `input` outside `dim` (scatter writes only its part) keeps torch's scatter."""
+    dim = dim % input.dim()
+    if any(index.shape[d] != input.shape[d] for d in range(input.dim()) if d != dim):
+        return input.scatter_(dim, index, value) if inplace else input.scatter(dim, index, value)
+    positions = torch.arange(input.shape[dim], device=input.device)
+    hit = (index.movedim(dim, -1)[..., :, None] == positions).any(-2).movedim(-1, dim)
+    return input.masked_fill_(hit, value) if inplace else input.masked_fill(hit, value)
+
+
+def _rewrite_routers(gm: fx.GraphModule) -> None:
     """Route the graph's `topk` calls (DeepSeek-V3's and Qwen3-MoE's expert routers) through
-    `topk_by_rank`: the model's function is unchanged, and no sort reaches the exported graphs
-    (torch-mlir could not lower DeepSeek-V3's unsorted topk either)."""
+    `topk_by_rank` and its scalar scatters (DeepSeek-V3's group mask) through
+    `scatter_by_compare`: the model's function is unchanged, and no sort reaches the exported
+    graphs (torch-mlir could not lower DeepSeek-V3's unsorted topk either)."""
+    scatters = {("call_method", "scatter"): False, ("call_method", "scatter_"): True,
+                ("call_function", torch.scatter): False}
     for node in gm.graph.nodes:
         if (node.op, node.target) in (("call_function", torch.topk), ("call_method", "topk")):
             node.op, node.target = "call_function", topk_by_rank
+        elif ((node.op, node.target) in scatters and len(node.args) == 4 and not node.kwargs
+              and isinstance(node.args[3], (int, float)) and isinstance(node.args[1], int)):
+            node.kwargs = {"inplace": scatters[node.op, node.target]}
+            node.op, node.target = "call_function", scatter_by_compare
 
 
 class Float16Boundary(nn.Module):

@@ -1,7 +1,9 @@
 """IREE compilation of the exported MLIR: `<graph>.torch.mlir` -> `<graph>.vmfb` for `llvm-cpu`.
 
 IREE takes the `torch` output (its own torch -> linalg conversion, the input IREE's PyTorch
-frontends feed it) or `stablehlo`. torch-mlir's `linalg-on-tensors` output is not an IREE input:
+frontends feed it) or, for the static graphs of the "npu" profile only, `stablehlo`: IREE cannot
+compile the `stablehlo.dynamic_reshape` of a decode step with a dynamic token count, so
+export_iree refuses that combination. torch-mlir's `linalg-on-tensors` output is not an IREE input:
 it lowers cumsum (the compressor's slot numbering) to `tm_tensor.scan`, a dialect IREE does not
 read. The decode step is compiled with a dynamic token count (export_mlir(tokens=None)), so one
 module runs prefill chunks and decode steps; `export.host_runner.HostRunner(dir, runtime="iree")`

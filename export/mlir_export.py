@@ -79,23 +79,45 @@ def lower(module: torch.nn.Module | torch.export.ExportedProgram, args, output_t
 def export_mlir_files(model, out_dir, config, max_context: int, output_types=OUTPUT_TYPES, tokens: int | None = 1,
                       profile: str | None = None):
     layout, graphs = export_graphs(model, config, max_context, tokens, profile)
-    out = Path(out_dir)  # created once the model is accepted: a refused one leaves no empty directory
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {}
+    texts = {}
     for name, (module, args, dynamic) in graphs.items():
         with torch.no_grad():  # traced once, lowered to each output type (torch-mlir copies it to decompose)
-            program = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
+            program = _without_dead_code(torch.export.export(module, args, dynamic_shapes=dynamic, strict=False))
         for output_type in output_types:
-            text = lower(program, args, output_type, ENTRY[name])
+            text = texts[f"{name}.{output_type}"] = lower(program, args, output_type, ENTRY[name])
             if profile == "npu" and dynamic_signature(text, ENTRY[name]):
                 raise ValueError(f"the npu profile's {name} graph ({output_type}) has dynamic dimensions in its "
                                  f"signature: {dynamic_signature(text, ENTRY[name])}")
-            path = out / f"{name}.{output_type}.mlir"
-            path.write_text(text)
-            paths[f"{name}.{output_type}"] = str(path)
+    out = Path(out_dir)  # created once every graph is lowered: a failed export leaves no empty directory
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for key, text in texts.items():
+        path = out / f"{key}.mlir"
+        path.write_text(text)
+        paths[key] = str(path)
     (out / "layout.json").write_text(layout.to_json())
     paths["layout"] = str(out / "layout.json")
     return paths
+
+
+def _without_dead_code(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """`program` without the values no output depends on, nor the metadata assertions on them
+    (`aten._assert_tensor_metadata`, from `.to()` calls) that alone keep them in the graph.
+
+    What they keep is the model's own attention mask, which the decode step's cached attention
+    does not read: Hugging Face's packed-sequence detection (a cumsum over the positions), which
+    torch-mlir cannot lower to stablehlo with a dynamic token count."""
+    graph = program.graph_module.graph
+    while True:
+        graph.eliminate_dead_code()
+        dead = [node for node in graph.nodes if node.target is torch.ops.aten._assert_tensor_metadata.default
+                and all(len(value.users) == 1 for value in node.all_input_nodes)]
+        if not dead:
+            break
+        for node in dead:
+            graph.erase_node(node)
+    program.graph_module.recompile()
+    return program
 
 
 def signature(text: str, func_name: str) -> str:

@@ -8,8 +8,11 @@ refused attention, a sliding window, a hybrid) is a usage error: its reason, exi
 `--target` compiles the export for a runtime of this machine and smoke-runs it: a prompt and a few
 greedy steps through HostRunner on that runtime and through the PyTorch session; the exit status
 is 1 when the tokens differ. The prompt is prose from models/real_tasks.py when the model comes
-with a tokenizer, random token ids otherwise. onnx: onnxruntime or openvino; mlir: iree (the MLIR
-is then exported with a dynamic token count and compiled to .vmfb, export_iree).
+with a tokenizer, random token ids otherwise; by default just long enough that a page reaches Mid
+under the config (so the compressor runs), where --max-context allows: a run that reaches no Mid
+page says so. --smoke-prompt and --smoke-tokens are usage errors without --target. onnx:
+onnxruntime or openvino; mlir: iree (the MLIR is then exported with a dynamic token count and
+compiled to .vmfb, export_iree).
 
 `--profile npu` exports fully static graphs with float16 at their boundaries (batch 1, one token
 per decode-step call, the cache capacities of --max-context; export/layout.py); the smoke run then
@@ -24,7 +27,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvtopo.export import DEFAULT_MAX_CONTEXT, DEFAULT_MLIR_MAX_CONTEXT
+from kvtopo.export import DEFAULT_MAX_CONTEXT, DEFAULT_MLIR_MAX_CONTEXT, out_dir_problem
 
 
 def add_export(subparsers) -> None:
@@ -51,15 +54,18 @@ def add_export(subparsers) -> None:
     p.add_argument("--profile", choices=("npu",), default=None,
                    help="npu: static shapes (batch 1, 1 token per decode-step call, fixed cache buffers) and "
                         "float16 cache/activation tensors at the graph boundary")
-    p.add_argument("--smoke-tokens", type=int, default=8, metavar="N",
-                   help="greedy steps of the smoke run after the prompt (default: 8)")
-    p.add_argument("--smoke-prompt", type=int, default=32, metavar="N",
-                   help="prompt tokens of the smoke run (default: 32)")
+    p.add_argument("--smoke-tokens", type=int, default=None, metavar="N",
+                   help=f"greedy steps of the smoke run after the prompt, with --target (default: {SMOKE_TOKENS})")
+    p.add_argument("--smoke-prompt", type=int, default=None, metavar="N",
+                   help="prompt tokens of the smoke run, with --target (default: the fewest after which a page is "
+                        "Mid under --config, so that the compressor runs: sink + Recent + Terminal pages and one "
+                        "token more, 321 for Config(); at most --max-context minus --smoke-tokens)")
     p.set_defaults(run=_run_export)
 
 
 TARGET_FORMAT = {"onnxruntime": "onnx", "openvino": "onnx", "iree": "mlir"}
 PRETRAINED = "smollm2"
+SMOKE_TOKENS = 8
 
 
 def load_model(spec: str):
@@ -90,17 +96,20 @@ def _run_export(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-context {args.max_context} is invalid: an int >= 1 (tokens)")
     if args.target is not None and TARGET_FORMAT[args.target] != args.format:
         raise UsageError(f"--target {args.target} runs {TARGET_FORMAT[args.target]} exports, not {args.format}")
+    if args.target is None and (args.smoke_tokens is not None or args.smoke_prompt is not None):
+        given = " and ".join(option for option, value in (("--smoke-tokens", args.smoke_tokens),
+                                                          ("--smoke-prompt", args.smoke_prompt)) if value is not None)
+        raise UsageError(f"{given} without --target: they set the smoke run, which only --target does")
     max_context = args.max_context or (DEFAULT_MAX_CONTEXT if args.format == "onnx" else DEFAULT_MLIR_MAX_CONTEXT)
-    if args.target is not None and not 1 <= args.smoke_prompt < max_context:
-        raise UsageError(f"--smoke-prompt {args.smoke_prompt} is invalid: 1 .. max context {max_context} - 1")
-    if args.target is not None and not 1 <= args.smoke_tokens <= max_context - args.smoke_prompt:
-        raise UsageError(f"--smoke-tokens {args.smoke_tokens} is invalid: 1 .. max context {max_context} - "
-                         f"the {args.smoke_prompt}-token prompt")
+    config = parse_config(args.config)
+    mid_after = None
+    if args.target is not None:
+        mid_after = tokens_to_mid(config, max_context)
+        _check_smoke(args, max_context, mid_after)
     try:
         from kvtopo import export as kx
     except ImportError:
         import export as kx
-    config = parse_config(args.config)
     try:
         kx.layout.check_exportable(config)
     except NotImplementedError as err:
@@ -122,20 +131,44 @@ def _run_export(args: argparse.Namespace) -> int:
     if args.target is None:
         return 0
     return _smoke_run(model, args.out, args.target, prompt_ids(model, tokenizer, args.smoke_prompt),
-                      args.smoke_tokens)
+                      args.smoke_tokens, mid_after)
+
+
+def tokens_to_mid(config, max_context: int) -> int | None:
+    """The fewest tokens of a sequence with a Mid page under `config` (runtime/phases.py: every
+    Initial and Recent page full, then the Terminal page begun), or None past `max_context`."""
+    from kvtopo.runtime.phases import PhasePlan
+
+    plan = PhasePlan(config.page_size, config.sink_tokens, config.recent_tokens, config.protected_spans)
+    pages = next((n for n in range(1, plan.pages(max_context) + 1) if plan.mid_pages(n)), None)
+    return None if pages is None else (pages - 1) * config.page_size + 1
+
+
+def _check_smoke(args: argparse.Namespace, max_context: int, mid_after: int | None) -> None:
+    """Fill in the smoke run's defaults (a prompt reaching Mid where max_context allows) and check both."""
+    from kvtopo.cli import UsageError
+
+    if args.smoke_tokens is None:
+        args.smoke_tokens = SMOKE_TOKENS
+    if args.smoke_prompt is None:
+        args.smoke_prompt = max(1, min(mid_after or max_context, max_context - args.smoke_tokens))
+    if not 1 <= args.smoke_prompt < max_context:
+        raise UsageError(f"--smoke-prompt {args.smoke_prompt} is invalid: 1 .. max context {max_context} - 1")
+    if not 1 <= args.smoke_tokens <= max_context - args.smoke_prompt:
+        raise UsageError(f"--smoke-tokens {args.smoke_tokens} is invalid: 1 .. max context {max_context} - "
+                         f"the {args.smoke_prompt}-token prompt")
 
 
 def _check_out(out: str) -> None:
-    """--out must be a directory or a path one can be created at: checked before the model loads."""
+    """--out must be a writable directory or a path one can be created at: checked before the model loads."""
     from kvtopo.cli import UsageError
 
     if not out:
         raise UsageError("--out is empty: give the output directory")
-    path = Path(out)
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        raise UsageError(f"--out {out} is not a directory" if existing == path else
-                         f"--out {out}: {existing} is not a directory")
+    problem = out_dir_problem(out)
+    if problem is not None:
+        at, what = problem
+        raise UsageError(f"--out {out} {what}" if at == Path(out) else f"--out {out}: {at} {what}")
 
 
 def prompt_ids(model, tokenizer, tokens: int, seed: int = 0):
@@ -151,9 +184,13 @@ def prompt_ids(model, tokenizer, tokens: int, seed: int = 0):
     return ids[:, :tokens]
 
 
-def _smoke_run(model, out_dir, runtime: str, input_ids, new_tokens: int) -> int:
+def _smoke_run(model, out_dir, runtime: str, input_ids, new_tokens: int, mid_after: int | None) -> int:
     from kvtopo.export.check import compare_with_session
 
     (agreement,) = compare_with_session(model, out_dir, [runtime], input_ids, new_tokens)
     print(agreement.describe())
+    if not any(page.phase.value == "mid" for layer in agreement.runner.layers for page in layer.pages):
+        needed = "more than --max-context" if mid_after is None else mid_after
+        print(f"note: the smoke run's {input_ids.shape[1]} + {new_tokens} tokens reached no Mid page (this config "
+              f"needs {needed} tokens), so the compressor never ran: only exact and Recent attention were compared")
     return 0 if agreement.same_tokens else 1

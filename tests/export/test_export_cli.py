@@ -1,6 +1,8 @@
 """`kvtopo export --target`: the export is compiled for the runtime and smoke-run against the
 PyTorch session; a target that does not run the format is a usage error."""
 
+import os
+
 import pytest
 
 from kvtopo.cli import main
@@ -63,8 +65,12 @@ def test_config_the_export_cannot_take_is_refused_before_loading(tmp_path, capsy
     ("", "--out is empty"),
     ("file", "--out {tmp}/file is not a directory"),
     ("file/sub", "--out {tmp}/file/sub: {tmp}/file is not a directory"),
-], ids=["empty", "a-file", "under-a-file"])
+    ("/proc", "--out /proc is not writable ("),  # a directory no file can be created in, even by root
+    ("/proc/kvtopo/out", "--out /proc/kvtopo/out: /proc is not writable ("),
+], ids=["empty", "a-file", "under-a-file", "unwritable", "under-unwritable"])
 def test_out_that_cannot_be_a_directory_is_refused_before_loading(tmp_path, capsys, monkeypatch, out, message):
+    if out.startswith("/proc") and not os.path.isdir("/proc"):
+        pytest.skip("no /proc on this system")
     monkeypatch.setattr("kvtopo.export_cli.load_model", lambda spec: pytest.fail("loaded the model"))
     (tmp_path / "file").write_text("")
     err = _usage_error(["export", "mlir", "llama", "--out", str(tmp_path / out) if out else ""], capsys)
@@ -96,7 +102,37 @@ def test_checkpoint_directory_exports_and_openvino_smoke_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "openvino: same tokens as the PyTorch session over 4 new tokens" in out
+    # Config()'s first Mid page needs 321 tokens: the default prompt stops at 64 - 4, and says so.
+    assert "note: the smoke run's 60 + 4 tokens reached no Mid page (this config needs more than --max-context" in out
     assert (tmp_path / "out" / "decode_step.onnx").is_file() and (tmp_path / "out" / "compressor.onnx").is_file()
+
+
+def test_default_smoke_prompt_reaches_mid(tmp_path, capsys, monkeypatch):
+    """Without --smoke-prompt the smoke run's prompt is long enough for a Mid page under --config
+    (8-token pages, 8 sink and 16 Recent tokens: 33), so the compressor ran (it codes the tokens a
+    Mid page keeps; a budget that keeps none would skip it)."""
+    from kvtopo.export import check
+
+    runs = []
+    compare = check.compare_with_session
+    monkeypatch.setattr(check, "compare_with_session", lambda *args: runs.append(compare(*args)) or runs[-1])
+    code = main(["export", "onnx", "llama", "--out", str(tmp_path), "--max-context", "40", "--target", "onnxruntime",
+                 "--config", '{"page_size": 8, "sink_tokens": 8, "recent_tokens": 16, "target_ratio": 2}',
+                 "--smoke-tokens", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "same tokens" in out and "note:" not in out, out
+    (agreement,) = runs[0]
+    assert len(agreement.tokens) == 33 + 2
+    kept = [page.kept for layer in agreement.runner.layers for page in layer.pages if page.phase.value == "mid"]
+    assert kept and all(k > 0 for k in kept), kept
+
+
+@pytest.mark.parametrize("extra", [["--smoke-tokens", "4"], ["--smoke-prompt", "16"]])
+def test_smoke_options_need_target(tmp_path, capsys, monkeypatch, extra):
+    monkeypatch.setattr("kvtopo.export_cli.load_model", lambda spec: pytest.fail("loaded the model"))
+    err = _usage_error(["export", "onnx", "llama", "--out", str(tmp_path / "out"), *extra], capsys)
+    assert f"{extra[0]} without --target" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def _write_tiny_gguf(path, vocab=300, hidden=64, ffn=128, layers=2, heads=4, kv_heads=2) -> dict:

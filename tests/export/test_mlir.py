@@ -70,3 +70,27 @@ def test_lowering_failure_names_the_op():
     mlir = export_module("mlir_export")
     with pytest.raises(mlir.MlirLoweringError, match="bessel_j0"):
         mlir.lower(_Unlowerable(), (torch.randn(3),), "linalg-on-tensors", "f")
+
+
+def test_dynamic_token_decode_step_lowers_to_stablehlo(tmp_path):
+    """The model's own attention mask (Hugging Face's packed-sequence cumsum, which stablehlo cannot
+    take with a dynamic token count) is dead in the decode step and does not reach the graph."""
+    paths = export_package().export_mlir("llama", tmp_path, config=CONFIG, max_context=64,
+                                         output_types=("stablehlo",), tokens=None)
+    text = open(paths["decode_step.stablehlo"]).read()
+    assert "x?x" in export_module("mlir_export").signature(text, "decode_step")  # ids [1, ?]: dynamic
+
+
+def test_failed_lowering_leaves_no_directory(tmp_path, monkeypatch):
+    mlir = export_module("mlir_export")
+    monkeypatch.setattr(mlir, "export_graphs", lambda *args: (None, {"decode_step": (_Unlowerable(), (torch.randn(3),),
+                                                                                      None)}))
+    with pytest.raises(mlir.MlirLoweringError, match="bessel_j0"):
+        export_package().export_mlir("llama", tmp_path / "out", output_types=("linalg-on-tensors",))
+    assert not (tmp_path / "out").exists()
+
+
+def test_iree_stablehlo_needs_static_graphs(tmp_path):
+    with pytest.raises(ValueError, match="stablehlo.*needs profile='npu'.*dynamic token count"):
+        export_package().export_iree("llama", tmp_path / "out", output_type="stablehlo")
+    assert not (tmp_path / "out").exists()

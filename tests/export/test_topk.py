@@ -1,5 +1,5 @@
-"""topk_by_rank (what the exported decode step computes for expert routers) equals torch.topk, and
-the capture routes every router's topk through it."""
+"""topk_by_rank and scatter_by_compare (what the exported decode step computes for expert
+routers) equal torch.topk and torch.scatter, and the capture routes every router's topk through it."""
 
 import pytest
 import torch
@@ -22,6 +22,18 @@ def test_topk_by_rank_equals_torch_topk(shape, k, dim, largest):
 def test_topk_by_rank_ties_go_to_lower_index():
     values, indices = export_module("decode_step").topk_by_rank(torch.tensor([[1.0, 3.0, 0.0, 3.0]]), 3)
     assert indices.tolist() == [[1, 3, 0]] and values.tolist() == [[3.0, 3.0, 1.0]]
+
+
+@pytest.mark.parametrize("shape,index_shape,dim", [((1, 1), (1, 1), 1), ((3, 8), (3, 4), 1), ((2, 5, 3), (2, 2, 3), -2),
+                                                   ((4, 6), (2, 3), 1)])  # last: narrower index, torch's scatter
+def test_scatter_by_compare_equals_torch_scatter(shape, index_shape, dim):
+    scatter_by_compare = export_module("decode_step").scatter_by_compare
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    index = torch.randint(0, shape[dim], index_shape, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(scatter_by_compare(x, dim, index, 7.0), x.scatter(dim, index, 7.0))
+    inplace = x.clone()
+    assert scatter_by_compare(inplace, dim, index, 7.0, inplace=True) is inplace
+    assert torch.equal(inplace, x.scatter(dim, index, 7.0))
 
 
 def test_decode_step_has_no_topk_left():
