@@ -90,7 +90,9 @@ def test_a_sequence_a_full_pool_stopped_raises_until_released_and_the_others_sta
         for _ in range(2):
             with pytest.raises(RuntimeError, match=r"sequence\(s\) \[1\] hold a chunk stored in part.*PoolExhausted"):
                 session.attend_sequence("layer", 1, *_sequence_chunk(1, seed=2), 0.25)
-        assert torch.equal(cache.pool.keys[[page.slot for page in cache.sequences[0].pages]], live)
+        # Bitwise: the last page's unwritten slots hold whatever the pool's memory held (NaN patterns too).
+        kept = cache.pool.keys[[page.slot for page in cache.sequences[0].pages]]
+        assert torch.equal(kept.view(torch.uint8), live.view(torch.uint8))
         step = _sequence_chunk(1, seed=3)
         after = session.attend_sequence("layer", 0, *step, 0.25)
         session.release(1)
