@@ -5,7 +5,10 @@ Score: the softmax attention mass a token accumulated while its page was Termina
 (`tracks_attention_mass = True` makes the session add every step's mass to `page.mass`).
 A page that reached Mid without mass for all its tokens (a long prefill chunk writes pages
 that go straight to Mid before any later query attended to them) falls back to the softmax
-mass of the observation window, for the whole page so that one scale ranks it. Kept tokens are
+mass of the observation window, for the whole page so that one scale ranks it. A chunk's
+attention to its own tokens is never accumulated, so a prompt prefilled in one chunk is ranked
+entirely by that fallback: there H2O ranks as SnapKV without pooling; H2O proper sums every
+prefill query's attention. Kept tokens are
 stored exactly; Recent is exact.
 """
 

@@ -1,10 +1,14 @@
 """SnapKV-like (Li et al., 2024): keep the Mid tokens the observation window attends to most.
 
-Score: the exact softmax attention mass each token of the page receives from the latest
-`observation_window` queries (`kernels.scoring.softmax_mass`, summed over the window and the
-kv-head's query group), max-pooled over a neighbourhood of `POOL_KERNEL` tokens (SnapKV's
-clustering step: a kept token brings its neighbours, which keeps local context around a hit
-intact). The kernel is clipped to the page. Kept tokens are stored exactly (no projection, no
+Score: the softmax attention mass each token receives from the latest `observation_window`
+queries (`kernels.scoring.softmax_mass`, summed over the window and the kv-head's query group),
+max-pooled over a neighbourhood of `POOL_KERNEL` tokens (SnapKV's clustering step: a kept token
+brings its neighbours, which keeps local context around a hit intact). The kernel is clipped to
+the page. Unlike SnapKV, the softmax is taken over the tokens being ranked only (a page at a
+decode step, a prompt's Mid group in the joint plan), not the whole context: attention a query
+gives the sink, Recent or window tokens does not lower its votes (docs/measurements.md, "How
+close the in-house baselines are"). kvpress's SnapKVPress also differs (window 64, average
+pooling of 5, pooled per query head). Kept tokens are stored exactly (no projection, no
 bits); Recent is exact. Eviction happens whenever a budget (`target_ratio` /
 `layer_budget_bytes`) is set.
 """
