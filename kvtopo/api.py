@@ -22,7 +22,15 @@ def compile(model: torch.nn.Module, *, inductor: bool = True, dynamic: bool | No
     model's config declares (`runtime/declared_attention`), which a graph whose mask HF skipped
     cannot show, and makes its `generate` through a `SessionCache` check that a prompt continues
     what the session holds (`hf_cache.check_prompts`).
+    Its arguments are checked here: Dynamo reads them only at the first forward, after
+    `kvtopo.generate` has cleared the session.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"kvtopo.compile: model is a {type(model).__name__}; allowed: a torch.nn.Module")
+    if not isinstance(inductor, bool):
+        raise TypeError(f"kvtopo.compile: inductor={inductor!r} is invalid: True or False")
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise TypeError(f"kvtopo.compile: dynamic={dynamic!r} is invalid: None, True or False")
     declared_attention.declare(model)
     model.compile(backend="kvtopo", options={"inductor": inductor}, dynamic=dynamic)
     model._compiled_call_impl = attends_through_the_session(model._compiled_call_impl, type(model).__name__)
@@ -59,8 +67,6 @@ def attends_through_the_session(compiled_call, name: str):
 
 def session(config: Config | None = None) -> Session:
     """A KV store shared by kvtopo-compiled calls made inside `with kvtopo.session(config) as s:`."""
-    if config is not None and not isinstance(config, Config):
-        raise TypeError(f"session(config=...) takes a kvtopo.Config, got {type(config).__name__}")
     return Session(config)
 
 
@@ -86,7 +92,11 @@ class InspectReport:
 
 
 def inspect(model: torch.nn.Module, *args, **kwargs) -> InspectReport:
-    """Trace `model(*args, **kwargs)` with Dynamo and report every attention site found or refused."""
+    """Trace `model(*args, **kwargs)` with Dynamo and report every attention site found or refused.
+
+    Runs outside any session (inside one, a kvtopo-compiled model's forward stored the traced
+    tokens in its history), and resets Dynamo before and after: every compiled model recompiles
+    on its next call."""
     reports: list[PassReport] = []
 
     def capture(gm, example_inputs):
@@ -94,7 +104,7 @@ def inspect(model: torch.nn.Module, *args, **kwargs) -> InspectReport:
         return gm.forward
 
     torch._dynamo.reset()
-    with torch.no_grad():
+    with torch.no_grad(), context.suspended():
         torch.compile(model, backend=capture)(*args, **kwargs)
     torch._dynamo.reset()
     return InspectReport(reports)

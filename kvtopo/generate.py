@@ -90,7 +90,7 @@ def generate(
     do_sample=False). `top_k=None` / `top_p=None` (or 1.0) passed explicitly mean no
     filtering.
     """
-    _check_input_ids(input_ids)
+    check_input_ids(input_ids)
     _check_int("max_new_tokens", max_new_tokens, 1)
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"kvtopo.generate: config={config!r} is invalid: None or a kvtopo.Config")
@@ -103,7 +103,7 @@ def generate(
         if not (isinstance(value, bool) or (name == "progress" and value is None)):
             raise ValueError(f"kvtopo.generate: {name}={value!r} is invalid: "
                              f"{'None or ' if name == 'progress' else ''}a bool")
-    mask = _validated_mask(input_ids, attention_mask)
+    mask = validated_mask(input_ids, attention_mask)
     active = context.active_session()
     if active is not None and active.engine is not None:
         raise RuntimeError("kvtopo.generate: the active session holds the requests of a continuous-batching engine "
@@ -192,19 +192,20 @@ def _describe(t: torch.Tensor) -> str:
     return f"a {t.dtype} tensor of shape {tuple(t.shape)}"
 
 
-def _check_input_ids(input_ids) -> None:
+def check_input_ids(input_ids, caller: str = "kvtopo.generate") -> None:
+    """A [batch, tokens] integer tensor with at least one token per sequence; `caller` names the entry point."""
     if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"kvtopo.generate: input_ids is a {type(input_ids).__name__}; "
+        raise TypeError(f"{caller}: input_ids is a {type(input_ids).__name__}; "
                         "allowed: a [batch, tokens] integer tensor")
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
-        raise ValueError(f"kvtopo.generate: input_ids is {_describe(input_ids)}; "
+        raise ValueError(f"{caller}: input_ids is {_describe(input_ids)}; "
                          "allowed: a [batch, tokens] torch.long or torch.int tensor")
     batch, prompt = input_ids.shape
     if batch == 0:
-        raise ValueError(f"kvtopo.generate: input_ids has batch 0 (shape {tuple(input_ids.shape)}); "
+        raise ValueError(f"{caller}: input_ids has batch 0 (shape {tuple(input_ids.shape)}); "
                          "allowed: at least one sequence")
     if prompt == 0:
-        raise ValueError(f"kvtopo.generate: input_ids is an empty prompt (shape {tuple(input_ids.shape)}); "
+        raise ValueError(f"{caller}: input_ids is an empty prompt (shape {tuple(input_ids.shape)}); "
                          "allowed: at least one token per sequence")
 
 
@@ -264,25 +265,26 @@ def _check_sampling(do_sample, temperature, top_k, top_p, generator) -> None:
         raise _bad("generator", generator, "None or a torch.Generator", TypeError)
 
 
-def _validated_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
+def validated_mask(input_ids: torch.Tensor, attention_mask, caller: str = "kvtopo.generate") -> torch.Tensor:
+    """`attention_mask` as bool: input_ids' shape, 0/1 values, left padding only, a real last token."""
     if attention_mask is None:
         return torch.ones_like(input_ids, dtype=torch.bool)
     if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"kvtopo.generate: attention_mask is a {type(attention_mask).__name__}; "
+        raise TypeError(f"{caller}: attention_mask is a {type(attention_mask).__name__}; "
                         "allowed: None or a tensor shaped like input_ids")
     if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"kvtopo.generate: attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+        raise ValueError(f"{caller}: attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                          f"{tuple(input_ids.shape)}; allowed: the same [batch, tokens] shape")
     if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
-        raise ValueError(f"kvtopo.generate: attention_mask is {_describe(attention_mask)}; "
+        raise ValueError(f"{caller}: attention_mask is {_describe(attention_mask)}; "
                          "allowed: a bool or integer (0/1) tensor")
     if attention_mask.dtype != torch.bool and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
         bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)][0].item()
-        raise ValueError(f"kvtopo.generate: attention_mask holds the value {bad}; allowed: 0 (padding) and 1 (token)")
+        raise ValueError(f"{caller}: attention_mask holds the value {bad}; allowed: 0 (padding) and 1 (token)")
     mask = attention_mask.bool()
     hf_cache.check_left_padded(mask)
     if not bool(mask[:, -1].all()):
-        raise ValueError("every sequence needs at least one real token (attention_mask row of zeros)")
+        raise ValueError(f"{caller}: every sequence needs at least one real token (attention_mask row of zeros)")
     return mask
 
 

@@ -194,13 +194,15 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     Passes a `SessionCache` of the active session and, when `attention_mask` has (left) padding,
     marks each forward's real tokens for the session so padding is neither stored nor attended.
     """
+    from kvtopo.generate import check_input_ids, validated_mask  # it imports this module
+
     session = context.require_active_session("kvtopo.hf_cache.generate")
     declared_attention.declare(model)
     for name in ("cache", "past_key_values"):
         if generate_kwargs.get(name) is not None:
             raise ValueError(f"kvtopo.hf_cache.generate passes its own cache; do not pass {name}=")
-    mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-    check_left_padded(mask)
+    check_input_ids(input_ids, "kvtopo.hf_cache.generate")
+    mask = validated_mask(input_ids, attention_mask, "kvtopo.hf_cache.generate")
     padding = (~mask).sum(1).tolist()
     cache = SessionCache(session, model=model)
     _check_continuation(cache.first_layer(), padding)

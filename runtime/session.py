@@ -70,6 +70,8 @@ class SequenceStats:
 
 class Session:
     def __init__(self, config: Config | None = None):
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"a kvtopo session takes a kvtopo.Config, got {type(config).__name__}")
         self.config = config if config is not None else Config()
         self.policy = make_policy(self.config)
         self.layers: dict[str, LayerCache] = {}

@@ -139,8 +139,7 @@ def start_server(model: str, config: Config | None = None, *, host: str = "127.0
     from transformers.cli.serve import Serve
     from transformers.utils.import_utils import is_serve_available
 
-    if config is not None and not isinstance(config, Config):
-        raise TypeError(f"start_server(config=...) takes a kvtopo.Config, got {type(config).__name__}")
+    session = Session(config)  # checks config before a model is fetched
     if not is_serve_available():
         raise ImportError("kvtopo serve runs transformers' server, which needs fastapi, uvicorn, pydantic and openai: "
                           "pip install -e '.[serve]'")
@@ -150,7 +149,7 @@ def start_server(model: str, config: Config | None = None, *, host: str = "127.0
     # The session is active in a context of its own (the engine's worker checks it is open): entered
     # in the caller's, it stayed the caller's active session, and the caller's next kvtopo.generate
     # cleared every request the server held.
-    session, context = Session(config), contextvars.copy_context()
+    context = contextvars.copy_context()
     context.run(session.__enter__)
     try:
         with _server_loads_models_with(session):

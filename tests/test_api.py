@@ -116,3 +116,52 @@ def test_backend_name_works_in_a_fresh_process_without_importing_kvtopo():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("OK")
+
+
+def test_inspect_inside_a_session_leaves_its_history_alone():
+    """Traced through a kvtopo-compiled model inside a session, inspect's tokens joined the
+    model's history (and the next step attended to them)."""
+    from kvtopo.models import zoo
+
+    model = zoo.build("llama")
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=3, do_sample=False)
+    kvtopo.compile(model, inductor=False)
+    with kvtopo.session(kvtopo.Config.lossless()) as s:
+        model(input_ids=ids[:, :8])
+        report = kvtopo.inspect(model, torch.randint(0, 256, (1, 5)))
+        assert s.stats().tokens == (8,) and len(report.sites) == 2
+        s.clear()
+        assert torch.equal(kvtopo.generate(model, ids, max_new_tokens=3), expected)
+
+
+def test_replace_drops_the_energies_palu_implied():
+    palu = kvtopo.Config(policy="palu")
+    assert (palu.key_energy, palu.value_energy) == (0.9, 0.9)
+    topo = palu.replace(policy="topo")
+    assert topo.key_energy is None and topo.value_energy is None  # projection stays opt-in
+    assert palu.replace(policy="kivi").key_energy is None
+    assert palu.replace(page_size=16).key_energy == 0.9
+    chosen = kvtopo.Config(policy="palu", key_energy=0.9, value_energy=0.9)
+    assert chosen.replace(policy="topo").key_energy == 0.9  # the caller's own energies stay
+    assert palu == chosen
+
+
+@pytest.mark.parametrize("args,kwargs,message", [
+    ((None,), {}, "model is a NoneType"),
+    (("llama",), {}, "model is a str"),
+    ((torch.nn.Linear(2, 2),), {"inductor": "no"}, "inductor='no' is invalid"),
+    ((torch.nn.Linear(2, 2),), {"dynamic": "x"}, "dynamic='x' is invalid"),
+])
+def test_compile_checks_its_arguments_before_the_first_forward(args, kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        kvtopo.compile(*args, **kwargs)
+
+
+def test_a_session_names_a_config_of_the_wrong_type():
+    from kvtopo.runtime.session import Session
+
+    for make in (kvtopo.session, Session):
+        with pytest.raises(TypeError, match="takes a kvtopo.Config, got str"):
+            make("topo")

@@ -338,3 +338,21 @@ def test_generate_on_the_wrapper_torch_compile_returns_names_the_in_place_compil
         with pytest.raises(RuntimeError, match=r"compile it in place \(kvtopo.compile\(model\)"):
             kvtopo.hf_cache.generate(wrapper, _prompt(), max_new_tokens=3, do_sample=False)
         assert session.stats().tokens == ()
+
+
+@pytest.mark.parametrize("ids,mask,message", [
+    (torch.ones(1, 6, dtype=torch.long), torch.full((1, 6), 0.5), "attention_mask is a torch.float32 tensor"),
+    (torch.ones(1, 6, dtype=torch.long), torch.ones(1, 5, dtype=torch.long), "attention_mask shape"),
+    (torch.ones(6, dtype=torch.long), None, "input_ids is a torch.int64 tensor of shape \\(6,\\)"),
+    (torch.ones(1, 6), None, "input_ids is a torch.float32 tensor"),
+])
+def test_the_helper_checks_ids_and_mask_before_anything_is_stored(ids, mask, message):
+    """As kvtopo.generate does (before, a float mask stored the prompt and failed with a message about
+    positions; a short one failed deep in Dynamo)."""
+    from kvtopo.models import zoo
+
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    with kvtopo.session(kvtopo.Config.lossless()) as s:
+        with pytest.raises(ValueError, match=f"kvtopo.hf_cache.generate: {message}"):
+            kvtopo.hf_cache.generate(model, ids, attention_mask=mask, max_new_tokens=2)
+        assert s.stats().tokens == ()
