@@ -113,9 +113,6 @@ class Config:
     max_pages: int | None = None
     prefill_chunk_size: int = 512
     prompt_hold_tokens: int = 8192
-    # True when the energies are palu's implied ones, not the caller's: `replace` with another
-    # policy drops them (carried to topo, they switched its projection on without a word).
-    _implied_energies: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         from kvtopo.runtime.policies import POLICIES
@@ -156,6 +153,9 @@ class Config:
             # Projection is palu's whole method: unset energies mean its usual 0.9, not "none".
             object.__setattr__(self, "key_energy", PALU_ENERGY)
             object.__setattr__(self, "value_energy", PALU_ENERGY)
+            # Not a field (asdict, equality and exported layouts leave it out): `replace` with
+            # another policy drops implied energies (carried to topo, they switched its projection
+            # on without a word).
             object.__setattr__(self, "_implied_energies", True)
         method = POLICIES[self.policy]
         if self.value_energy is not None and self.key_energy is None:
@@ -182,6 +182,6 @@ class Config:
         return cls(**{"policy": "full", "target_ratio": None, **overrides})
 
     def replace(self, **changes) -> "Config":
-        if self._implied_energies and not {"key_energy", "value_energy"} & changes.keys():
+        if getattr(self, "_implied_energies", False) and not {"key_energy", "value_energy"} & changes.keys():
             changes = {"key_energy": None, "value_energy": None, **changes}  # palu sets them again itself
         return dataclasses.replace(self, **changes)

@@ -171,6 +171,7 @@ class Session:
         """
         if not self.active:
             raise RuntimeError("kvtopo session used after it was closed")
+        _check_shapes(layer, query, key, None if shared_value_dim else value)
         batch, _, chunk, _ = query.shape
         if self._batch is None:
             self._batch = batch
@@ -579,6 +580,24 @@ def _check_continuation(layer: str, declared: declared_attention.Declared, store
                          f"{tuned - 1} on (Llama-4's attn_temperature_tuning, floor_scale), and counts positions from "
                          f"0 without a cache: a session cannot give it the {stored} stored tokens' offset, so it "
                          f"cannot continue a sequence past {tuned - 1} tokens")
+
+
+def _check_shapes(layer: str, query, key, value) -> None:
+    """query [B, Hq, T, d], key [B, Hkv, T, d] and value [B, Hkv, T, dv] (None: read from the
+    keys) of one dtype, Hq a multiple of Hkv: checked before anything is stored, so a wrong call
+    leaves the session as it was."""
+    named = {"query": query, "key": key, "value": value}
+    for name, t in named.items():
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 4):
+            what = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+            raise ValueError(f"attention site {layer!r}: {name} is {what}; allowed: a [batch, heads, tokens, dim] tensor")
+    shapes = ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in named.items() if t is not None)
+    b, hq, t, d = query.shape
+    kv = [key] + ([value] if value is not None else [])
+    if (key.shape[3] != d or any(x.shape[:3] != (b, key.shape[1], t) for x in kv) or hq % key.shape[1]
+            or any(x.dtype != query.dtype for x in kv)):
+        raise ValueError(f"attention site {layer!r}: {shapes} do not fit together; allowed: query [B, Hq, T, d], "
+                         "key [B, Hkv, T, d], value [B, Hkv, T, dv], one dtype, Hq a multiple of Hkv")
 
 
 def _check_pure_mask(layer: str, attn_mask: torch.Tensor | None) -> None:

@@ -165,3 +165,21 @@ def test_a_session_names_a_config_of_the_wrong_type():
     for make in (kvtopo.session, Session):
         with pytest.raises(TypeError, match="takes a kvtopo.Config, got str"):
             make("topo")
+
+
+@pytest.mark.parametrize("key_shape,value_shape,message", [
+    ((1, 2, 5, 8), (1, 2, 5, 8), "do not fit together"),   # 5 tokens against the query's 6
+    ((1, 3, 6, 8), (1, 3, 6, 8), "do not fit together"),   # 4 query heads over 3 kv-heads
+    ((1, 2, 6, 4), (1, 2, 6, 8), "do not fit together"),   # key dim 4 against the query's 8
+    ((2, 6, 8), (1, 2, 6, 8), "key is shape \\(2, 6, 8\\)"),
+])
+def test_attend_refuses_tensors_that_do_not_fit_before_storing(key_shape, value_shape, message):
+    """Before, a lossless layer failed with torch's own size error, the layer was created and the
+    sequence was then refused as 'stored in part' though nothing was stored."""
+    q = torch.randn(1, 4, 6, 8)
+    with kvtopo.session(kvtopo.Config.lossless()) as s:
+        with pytest.raises(ValueError, match=message):
+            s.attend("layer", q, torch.randn(*key_shape), torch.randn(*value_shape), None, 0.3)
+        assert s.layers == {}
+        s.attend("layer", q, torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), None, 0.3)  # the sequence goes on
+        assert s.stats().tokens == (6,)
