@@ -585,19 +585,18 @@ def _check_continuation(layer: str, declared: declared_attention.Declared, store
 def _check_shapes(layer: str, query, key, value) -> None:
     """query [B, Hq, T, d], key [B, Hkv, T, d] and value [B, Hkv, T, dv] (None: read from the
     keys) of one dtype, Hq a multiple of Hkv: checked before anything is stored, so a wrong call
-    leaves the session as it was."""
-    named = {"query": query, "key": key, "value": value}
-    for name, t in named.items():
-        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 4):
-            what = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
-            raise ValueError(f"attention site {layer!r}: {name} is {what}; allowed: a [batch, heads, tokens, dim] tensor")
-    shapes = ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in named.items() if t is not None)
-    b, hq, t, d = query.shape
-    kv = [key] + ([value] if value is not None else [])
-    if (key.shape[3] != d or any(x.shape[:3] != (b, key.shape[1], t) for x in kv) or hq % key.shape[1]
-            or any(x.dtype != query.dtype for x in kv)):
-        raise ValueError(f"attention site {layer!r}: {shapes} do not fit together; allowed: query [B, Hq, T, d], "
-                         "key [B, Hkv, T, d], value [B, Hkv, T, dv], one dtype, Hq a multiple of Hkv")
+    leaves the session as it was. On every call of every layer: a few comparisons, no more."""
+    tensors = (query, key) if value is None else (query, key, value)
+    qs, ks = getattr(query, "shape", ()), getattr(key, "shape", ())
+    if (len(qs) == 4 and len(ks) == 4 and ks[0] == qs[0] and ks[2] == qs[2] and ks[3] == qs[3] and ks[1]
+            and qs[1] % ks[1] == 0 and key.dtype == query.dtype
+            and (value is None or (isinstance(value, torch.Tensor) and value.dim() == 4
+                                   and value.shape[:3] == ks[:3] and value.dtype == query.dtype))):
+        return
+    described = ", ".join(f"{name} {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else
+                          f"{name} a {type(x).__name__}" for name, x in zip(("query", "key", "value"), tensors))
+    raise ValueError(f"attention site {layer!r}: {described} do not fit together; allowed: query [B, Hq, T, d], "
+                     "key [B, Hkv, T, d], value [B, Hkv, T, dv] tensors of one dtype, Hq a multiple of Hkv")
 
 
 def _check_pure_mask(layer: str, attn_mask: torch.Tensor | None) -> None:
