@@ -78,7 +78,7 @@ def test_iree_static_decode_step_routes_experts_like_hf(tmp_path):
     runner = HostRunner(tmp_path, runtime="iree")
     got = np.concatenate([runner.forward(ids[0, t:t + 1].numpy(), prompt_end=ids.shape[1])
                           for t in range(ids.shape[1])])
-    assert np.abs(got - expected).max() < 1e-4  # 4e-7 measured; 4.5e-2 with the experts misrouted
+    assert np.abs(got - expected).max() < 1e-4  # float32 rounding only; misrouted experts are far outside it
 
 
 def _dispatch_sources(out: Path, graph: str) -> dict[str, str]:
