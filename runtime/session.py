@@ -586,13 +586,13 @@ def _check_shapes(layer: str, query, key, value) -> None:
     """query [B, Hq, T, d], key [B, Hkv, T, d] and value [B, Hkv, T, dv] (None: read from the
     keys) of one dtype, Hq a multiple of Hkv: checked before anything is stored, so a wrong call
     leaves the session as it was. On every call of every layer: a few comparisons, no more."""
-    tensors = (query, key) if value is None else (query, key, value)
     qs, ks = getattr(query, "shape", ()), getattr(key, "shape", ())
     if (len(qs) == 4 and len(ks) == 4 and ks[0] == qs[0] and ks[2] == qs[2] and ks[3] == qs[3] and ks[1]
             and qs[1] % ks[1] == 0 and key.dtype == query.dtype
             and (value is None or (isinstance(value, torch.Tensor) and value.dim() == 4
                                    and value.shape[:3] == ks[:3] and value.dtype == query.dtype))):
         return
+    tensors = (query, key) if value is None else (query, key, value)
     described = ", ".join(f"{name} {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else
                           f"{name} a {type(x).__name__}" for name, x in zip(("query", "key", "value"), tensors))
     raise ValueError(f"attention site {layer!r}: {described} do not fit together; allowed: query [B, Hq, T, d], "

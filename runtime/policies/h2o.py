@@ -8,8 +8,7 @@ that go straight to Mid before any later query attended to them) falls back to t
 mass of the observation window, for the whole page so that one scale ranks it. A chunk's
 attention to its own tokens is never accumulated, so a prompt prefilled in one chunk is ranked
 entirely by that fallback: there H2O ranks as SnapKV without pooling; H2O proper sums every
-prefill query's attention. Kept tokens are
-stored exactly; Recent is exact.
+prefill query's attention. Kept tokens are stored exactly; Recent is exact.
 """
 
 import torch

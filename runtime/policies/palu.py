@@ -6,8 +6,8 @@ when neither is given; fitted once per sequence and layer by the store, on the f
 chunk, never refitted). Palu proper factorises the K/V projection weights offline and stores a
 latent before RoPE; this fits the directions on the rotated keys of the sequence's first chunk,
 which holds their energy on that chunk but loses it as RoPE turns later keys away (topo refits
-at each doubling, `Lifecycle.next_refit`; Palu here does not). Recent, Initial and Terminal are exact; `mid_bits` and `recent_bits` are
-ignored. No token is dropped, so a byte budget is not enforced: the bytes follow from the
+at each doubling, `Lifecycle.next_refit`; Palu here does not). Recent, Initial and Terminal
+are exact; `mid_bits` and `recent_bits` are ignored. No token is dropped, so a byte budget is not enforced: the bytes follow from the
 energies.
 """
 
