@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 
 OVER_BUDGET = ("evict", "raise")
@@ -38,6 +39,20 @@ def _fraction(value) -> bool:
 
 def _choice(value, choices) -> bool:
     return isinstance(value, str) and value in choices
+
+
+def _as_python_number(value):
+    """A numpy (or other registered) integer or real as Python's own int or float: checked like
+    one, and written to JSON and handed to the kernels like one. bool stays bool (refused)."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, tuple):
+        return tuple(_as_python_number(v) for v in value)
+    return value
 
 
 def _spans_ok(spans) -> bool:
@@ -117,6 +132,8 @@ class Config:
     def __post_init__(self):
         from kvtopo.runtime.policies import POLICIES
 
+        for field in dataclasses.fields(self):
+            object.__setattr__(self, field.name, _as_python_number(getattr(self, field.name)))
         _require(_choice(self.policy, POLICIES), "policy", self.policy, f"one of {tuple(POLICIES)}")
         _require(_int(self.page_size, 1) and self.page_size <= 4096, "page_size", self.page_size, "an int in [1, 4096]")
         _require(_int(self.sink_tokens, 0), "sink_tokens", self.sink_tokens, "an int >= 0")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 import dataclasses
+import operator
 import weakref
 from dataclasses import dataclass
 
@@ -246,6 +247,7 @@ class Session:
             raise RuntimeError("kvtopo session used after it was closed")
         if prompt_end < 0:
             raise ValueError(f"prompt_end must be a length >= 0, got {prompt_end}")
+        seq = _sequence_id(seq)
         cache = self._layer_cache(layer, scale, softcap, None, None)
         with self._storing([seq]):
             return self._attend_and_store(cache, [seq], query[None], key[None], value[None], scale, softcap, sinks,
@@ -259,7 +261,7 @@ class Session:
         attended by one batched decode call; the others one by one."""
         if not self.active:
             raise RuntimeError("kvtopo session used after it was closed")
-        seqs = list(seqs)
+        seqs = [_sequence_id(seq) for seq in seqs]
         if len(set(seqs)) != len(seqs) or len(seqs) != query.shape[0]:
             raise ValueError(f"attend_sequences needs one row per distinct sequence, got ids {seqs} "
                              f"for {query.shape[0]} rows")
@@ -268,7 +270,10 @@ class Session:
             return self._attend_and_store(cache, seqs, query, key, value, scale, softcap, sinks, None)
 
     def release(self, seq: int) -> None:
-        """Forget sequence `seq` in every layer: its pool slots go back to each layer's free list."""
+        """Forget sequence `seq` in every layer: its pool slots go back to each layer's free list.
+        A sequence the session does not hold is nothing to release (a server may free a request
+        that never reached attention)."""
+        seq = _sequence_id(seq)
         for cache in self.layers.values():
             cache.release(seq)
         self._unfinished.pop(seq, None)
@@ -470,6 +475,7 @@ class Session:
     def sequence_stats(self, seq: int) -> SequenceStats:
         """What sequence `seq` holds now over every layer (a server reads it before releasing a
         request), against an fp16 cache of its tokens."""
+        seq = _sequence_id(seq)
         total = fp16 = tokens = 0
         held = []
         for cache in self.layers.values():
@@ -491,6 +497,17 @@ class Session:
         """The sequences stats() reports: batch rows 0..B-1, or (sequences added through
         `attend_sequence` only) the ids the layer holds, ascending."""
         return range(self._batch) if self._batch is not None else sorted(cache.sequence_ids())
+
+
+def _sequence_id(seq) -> int:
+    """`seq` as the int that keys a sequence's store (a numpy or 0-d tensor int included): any
+    other key would start a sequence no int reaches, and a release of it would free nothing."""
+    if isinstance(seq, bool):
+        raise TypeError(f"a sequence id is an int, got {seq!r}")
+    try:
+        return operator.index(seq)
+    except TypeError:
+        raise TypeError(f"a sequence id is an int, got {type(seq).__name__} {seq!r}") from None
 
 
 def _history_partials(q, segments: Segments, scale: float, softcap: float | None) -> list:

@@ -3,6 +3,8 @@ value and what is allowed. For kvtopo.generate, no forward runs (the model is wr
 module counting its calls, and the session counts attention calls); for the export entry
 points, nothing is written."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -85,6 +87,23 @@ def test_valid_configs_still_construct():
                   protected_spans=((0, 16), (40, 48)), layer_budget_bytes=4096, max_pages=64)
     config = kvtopo.Config(**fields)
     assert {name: getattr(config, name) for name in fields} == fields
+
+
+def test_numpy_numbers_are_taken_as_python_ones():
+    """A setting read from a numpy array is a number like any other: taken, stored as Python's own
+    (a numpy int was refused as "an int", and a numpy float kept would not serialise to JSON)."""
+    import json
+
+    import numpy as np
+
+    config = kvtopo.Config(page_size=np.int64(16), mid_bits=np.int32(2), target_ratio=np.float32(4.0),
+                           protected_spans=((np.int64(0), np.int64(16)),))
+    assert (config.page_size, config.mid_bits, config.target_ratio, config.protected_spans) == (16, 2, 4.0, ((0, 16),))
+    assert {type(v) for v in (config.page_size, config.mid_bits, config.protected_spans[0][0])} == {int}
+    assert type(config.target_ratio) is float
+    json.dumps(dataclasses.asdict(config))
+    with pytest.raises(ValueError, match=r"Config\.mid_bits=np\.True_ is invalid"):
+        kvtopo.Config(mid_bits=np.bool_(True))
 
 
 # -- generate ------------------------------------------------------------------------------------

@@ -197,3 +197,24 @@ def test_block_table_is_the_slotted_pages_after_every_change(fields, window):
         assert entry.block_table.tolist() == [p.slot for p in entry.pages if p.slot is not None]
     assert torch.equal(caches[1].sequences[0].block_table, caches[0].sequences[0].block_table)
     assert any(p.slot is None for p in caches[0].sequences[0].pages)  # pages did leave the pool
+
+
+def test_sequence_ids_are_ints_of_any_kind_and_nothing_else():
+    """A numpy or 0-d tensor id names the same sequence as the int (a tensor key had started a
+    sequence no int reached, and releasing by the int freed nothing); other ids are refused."""
+    import numpy as np
+
+    config = kvtopo.Config.lossless(page_size=8)
+    with kvtopo.session(config) as session:
+        session.attend_sequence("layer", torch.tensor(3), *_sequence_chunk(10, seed=0), 0.25)
+        session.attend_sequences("layer", [np.int64(3)], *(t[None] for t in _sequence_chunk(1, seed=1)), 0.25)
+        assert list(session.layers["layer"].sequences) == [3]
+        assert session.sequence_stats(np.int32(3)).tokens == 11
+        live = session.layers["layer"].pool.live_pages
+        for bad in ("3", 3.0, True, None):
+            with pytest.raises(TypeError, match="a sequence id is an int"):
+                session.release(bad)
+        assert session.layers["layer"].pool.live_pages == live == 2
+        session.release(np.int64(3))
+        assert session.layers["layer"].pool.live_pages == 0 and not session.layers["layer"].sequences
+        session.release(7)  # never held: nothing to free
