@@ -85,10 +85,10 @@ def generate(
     a warning names it.
 
     Sampling arguments are checked in every mode for values that are meaningless in any mode
-    (top_k < 1, top_p outside (0, 1], temperature NaN, infinite or negative); temperature 0 is
+    (top_k < 0, top_p outside (0, 1], temperature NaN, infinite or negative); temperature 0 is
     accepted only without sampling (HF warns and ignores sampling arguments when
-    do_sample=False). `top_k=None` / `top_p=None` (or 1.0) passed explicitly mean no
-    filtering.
+    do_sample=False). `top_k=None` (or 0, as HF's generation configs write it) / `top_p=None`
+    (or 1.0) passed explicitly mean no filtering.
     """
     check_input_ids(input_ids)
     _check_int("max_new_tokens", max_new_tokens, 1)
@@ -257,8 +257,8 @@ def _check_sampling(do_sample, temperature, top_k, top_p, generator) -> None:
     if do_sample and temperature == 0:
         raise _bad("temperature", temperature, "a finite number > 0 when do_sample=True "
                    "(for greedy decoding use do_sample=False)")
-    if top_k is not None and not (_is_int(top_k) and top_k >= 1):
-        raise _bad("top_k", top_k, "None (no top-k filtering) or an int >= 1")
+    if top_k is not None and not (_is_int(top_k) and top_k >= 0):
+        raise _bad("top_k", top_k, "None or 0 (no top-k filtering, as in HF) or an int >= 1")
     if top_p is not None and not (_is_real(top_p) and 0 < top_p <= 1):
         raise _bad("top_p", top_p, "None (no nucleus filtering) or a number in (0, 1]")
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -451,12 +451,14 @@ def _select(logits, do_sample, temperature, top_k, top_p, generator) -> torch.Te
     if not do_sample:
         return logits.argmax(-1)
     logits = logits / temperature
-    if top_k is not None:
+    if top_k:  # None or 0: no top-k filtering (HF's generation configs write 0 for it)
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) > top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        # As HF's TopPLogitsWarper computes it (ascending: the tail whose mass stays within
+        # 1 - top_p goes, the top token always stays), so a seed draws what HF draws.
+        sorted_logits, order = logits.sort(dim=-1)
+        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)

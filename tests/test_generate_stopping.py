@@ -172,12 +172,13 @@ def test_batch_ends_early_when_every_row_has_stopped(models):
 
 
 def test_sampling_follows_the_generation_config_as_hf_does(models):
-    """A checkpoint whose generation config asks to sample (temperature, top-k) samples under
-    kvtopo.generate too, drawing what HF draws from the same seed; HF's top-k of 50 applies when
-    the config sets none; an explicit do_sample=False still decodes greedily."""
+    """A checkpoint whose generation config asks to sample (temperature, top-k, top-p) samples
+    under kvtopo.generate too, drawing what HF draws from the same seed; HF's top-k of 50 applies
+    when the config sets none; an explicit do_sample=False still decodes greedily."""
     reference, model = models
     ids = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(5))
-    for fields in (dict(do_sample=True, temperature=0.7, top_k=5), dict(do_sample=True, temperature=2.0)):
+    for fields in (dict(do_sample=True, temperature=0.7, top_k=5), dict(do_sample=True, temperature=1.5, top_p=0.3),
+                   dict(do_sample=True, temperature=2.0, top_k=0, top_p=0.9), dict(do_sample=True, temperature=2.0)):
         _set_generation_config(models, **fields)
         torch.manual_seed(11)
         with torch.no_grad():
@@ -188,6 +189,8 @@ def test_sampling_follows_the_generation_config_as_hf_does(models):
     greedy, _ = _hf(reference, ids)
     assert not torch.equal(greedy, expected)  # the sampled text is not the greedy one
     assert torch.equal(kvtopo.generate(model, ids, STEPS, config=LOSSLESS, do_sample=False), greedy)
+    _set_generation_config(models, do_sample=False, top_k=0)  # HF's "no top-k" (refused before, even greedy)
+    assert torch.equal(kvtopo.generate(model, ids, STEPS, config=LOSSLESS), greedy)
 
 
 def test_generation_config_processing_it_does_not_apply_is_named(models):
