@@ -581,11 +581,55 @@ def test_softmax_mass_caps_the_logits_as_the_layer_attends():
 
 @pytest.mark.parametrize("policy", ["snapkv", "h2o"])
 def test_a_capped_layer_scores_with_its_cap(policy, monkeypatch):
-    seen = []
-    score = POLICIES[policy].score
-    monkeypatch.setattr(POLICIES[policy], "score", lambda self, inputs: (seen.append(inputs.softcap), score(self, inputs))[1])
+    """The scores a policy ranks a capped layer's tokens by are the capped softmax's: each score
+    it returned equals the capped mass of the queries and keys it was given, and the uncapped mass
+    of these large logits differs (before, only the cap's arrival in `ScoreInputs` was checked)."""
+    cap, scale = 5.0, 0.25
+    pool = max_pool_tokens if policy == "snapkv" else (lambda mass: mass)
+    checked, score = [], POLICIES[policy].score
+
+    def checked_score(self, inputs):  # checked as called: the keys may be pool slots reused later
+        got = score(self, inputs)
+        if inputs.attention_mass is None:
+            torch.testing.assert_close(got, pool(softmax_mass(inputs.queries, inputs.keys, scale, cap)))
+            checked.append(not torch.allclose(got, pool(softmax_mass(inputs.queries, inputs.keys, scale)), rtol=1e-2))
+        return got
+
+    monkeypatch.setattr(POLICIES[policy], "score", checked_score)
     config = Config(policy=policy, page_size=8, sink_tokens=8, recent_tokens=16, target_ratio=4.0)
     k, v = _kv(80)
+    q = 6 * torch.randn(4, 80, 16, generator=torch.Generator().manual_seed(1))
     with kvtopo.session(config) as s:
-        s.attend("l", torch.randn(1, 4, 80, 16), k[None], v[None], None, 0.25, softcap=30.0)
-    assert seen and set(seen) == {30.0}
+        for start, n in [(0, 64)] + [(t, 1) for t in range(64, 80)]:
+            s.attend("l", q[None, :, start:start + n], k[None, :, start:start + n], v[None, :, start:start + n], None,
+                     scale, softcap=cap)
+    assert checked and any(checked)  # scores were checked, and the cap changed some
+
+
+def test_h2o_accumulates_the_capped_mass_of_each_decode_step():
+    """H2O's running mass on a capped layer, against float64: each decode step adds the capped
+    softmax (over everything held) of its query heads to every token not yet in Mid."""
+    cap, scale, steps = 5.0, 0.25, 40
+    config = Config(policy="h2o", page_size=8, sink_tokens=8, recent_tokens=64, target_ratio=4.0)
+    k, v = _kv(8 + steps)
+    q = 6 * torch.randn(4, 8 + steps, 16, generator=torch.Generator().manual_seed(2))
+    with kvtopo.session(config) as s:
+        for start, n in [(0, 8)] + [(t, 1) for t in range(8, 8 + steps)]:
+            s.attend("l", q[None, :, start:start + n], k[None, :, start:start + n], v[None, :, start:start + n], None,
+                     scale, softcap=cap)
+        entry = s.layers["l"].sequences[0]
+        assert all(p.phase is not Phase.MID for p in entry.pages)  # no token left the running count
+        held = torch.cat([p.mass[:, :p.tokens] for p in entry.pages[1:]], 1)  # after the sink page: [Hkv, steps - 1]
+
+    def mass(capped: bool) -> torch.Tensor:
+        expected = torch.zeros(2, 8 + steps, dtype=torch.float64)
+        for t in range(8, 8 + steps):  # step t's query over tokens 0..t; token t itself was not stored yet
+            logits = scale * q.double()[:, t].reshape(2, 2, 16) @ k.double()[:, : t + 1].transpose(1, 2)
+            if capped:
+                logits = cap * torch.tanh(logits / cap)
+            expected[:, : t + 1] += torch.softmax(logits, -1).sum(1)
+            expected[:, t] -= torch.softmax(logits, -1).sum(1)[:, t]
+        return expected[:, 8 : 8 + steps - 1]
+
+    torch.testing.assert_close(held.double(), mass(capped=True), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(held.double(), mass(capped=False), rtol=1e-2)
