@@ -9,6 +9,7 @@ import torch
 import kvtopo
 from kvtopo.models import zoo
 from kvtopo.runtime import layer_cache
+from kvtopo.runtime.phases import Phase
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import needle_survival as NS  # noqa: E402
@@ -32,10 +33,14 @@ def test_recorded_plans_match_the_store_and_restore_the_planner():
                            observation_window=8, prefill_chunk_size=512)
     planner = layer_cache.LayerCache._plan_joint_eviction
     prompt = torch.randint(0, 256, (1, 200))
-    with NS.recorded_plans() as plans, torch.no_grad():
-        kvtopo.generate(model, prompt, 2, config=config, eos_token_id=None, progress=False)
+    with kvtopo.session(config), NS.recorded_plans() as plans, torch.no_grad():
+        kvtopo.generate(model, prompt, 2, eos_token_id=None, progress=False)
+        assert plans, "a 4x budget over 200 tokens must evict"
+        for cache, plan in plans:  # what each plan keeps is what its layer's store holds
+            pages = cache.sequences[0].pages
+            assert {page: tokens.shape[1] for page, tokens in plan.items()} == {page: pages[page].kept for page in plan}
+            assert all(pages[page].phase is Phase.MID for page in plan)
     assert layer_cache.LayerCache._plan_joint_eviction is planner
-    assert plans, "a 4x budget over 200 tokens must evict"
     cache, plan = plans[0]
     P, heads = config.page_size, next(iter(plan.values())).shape[0]
     everything = NS.kept_in_span(plan, P, heads, (0, 200))
