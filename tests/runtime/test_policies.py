@@ -633,3 +633,33 @@ def test_h2o_accumulates_the_capped_mass_of_each_decode_step():
 
     torch.testing.assert_close(held.double(), mass(capped=True), rtol=1e-4, atol=1e-5)
     assert not torch.allclose(held.double(), mass(capped=False), rtol=1e-2)
+
+
+def test_topo_ranks_with_the_configured_score_margin(monkeypatch):
+    """topo's scores are the exp-free score at the config's `score_margin` (each checked as it is
+    returned), and the margin changes which tokens a page keeps (before, every behavioural test ran
+    at the default margin, so one that was ignored went unseen)."""
+    from kvtopo.runtime.policies.topo import topo_scores
+
+    score, margins_seen = POLICIES["topo"].score, []
+
+    def checked_score(self, inputs):
+        got = score(self, inputs)
+        parts = dict(chunk_queries=inputs.chunk_queries, predecessor_queries=inputs.predecessor_queries,
+                     predecessor_rows=inputs.predecessor_rows, held_credit=inputs.held_credit)
+        margin = self.config.score_margin
+        torch.testing.assert_close(got, topo_scores(inputs.queries, inputs.keys, inputs.scale, margin, **parts))
+        margins_seen.append(margin)
+        return got
+
+    monkeypatch.setattr(POLICIES["topo"], "score", checked_score)
+    k, v = _kv(96)
+    q = 3 * torch.randn(4, 96, 16, generator=torch.Generator().manual_seed(4))
+    kept = {}
+    for margin in (0.5, 50.0):
+        config = Config(page_size=8, sink_tokens=8, recent_tokens=16, mid_bits=None, recent_bits=None,
+                        target_ratio=4.0, score_margin=margin)
+        s, _ = _run(config, q, k, v, chunks=[80])
+        kept[margin] = [_kept_rows(keys, k[:, 8 * page:8 * page + 8]).tolist() for page, keys in _mid_pages(s)]
+    assert set(margins_seen) == {0.5, 50.0}
+    assert kept[0.5] != kept[50.0]
