@@ -87,5 +87,7 @@ def test_eight_layer_model_with_inductor():
     x = torch.randint(0, 256, (1, 16))
     with torch.no_grad():
         expected = model(x, use_cache=False).logits
+        REPORTS.clear()
         got = kvtopo.compile(model)(x, use_cache=False).logits
+    assert sum(len(r.sites) for r in REPORTS) == zoo.num_attention_layers(model) == 8  # rewritten, not left as is
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

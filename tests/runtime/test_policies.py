@@ -254,9 +254,10 @@ def test_max_pool_is_clipped_to_the_page():
     score = torch.tensor([[0.0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 1]])
     pooled = max_pool_tokens(score, 7)
     assert pooled.tolist() == [[0, 5, 5, 5, 5, 5, 5, 5, 1, 1, 1]]
-    assert max_pool_tokens(score[:, :4], 7).tolist() == [[0, 0, 0, 0]]  # kernel clipped to 3
+    # Clipped to the page: 3 tokens for a page of 4, none for 2 (a 7-token kernel would spread the 9 to all).
+    assert max_pool_tokens(torch.tensor([[0.0, 0, 9, 0]]), 7).tolist() == [[0, 9, 9, 9]]
+    assert max_pool_tokens(torch.tensor([[0.0, 9]]), 7).tolist() == [[0, 9]]
     assert max_pool_tokens(score[:, :1], 7).tolist() == [[0]]
-    assert max_pool_tokens(score[:, :2], 7).tolist() == [[0, 0]]
 
 
 def _hot_case(n=512, heads=2, dim=32, hot_every=32, hot_at=13, seed=0, dtype=torch.float32):
