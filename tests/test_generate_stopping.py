@@ -152,6 +152,21 @@ def test_batch_pads_the_row_that_stopped_and_runs_the_other_on(models):
     _assert_same(expected, _kvtopo(compiled, ids, mask))
 
 
+def test_a_stopped_row_is_padded_with_the_first_listed_eos(models):
+    """With a list of eos ids and no pad id HF pads with the list's first, here one neither row
+    emits (not the one row 0 stopped on)."""
+    ref, compiled = models
+    ids, mask = _left_padded((17, PROMPT), seed=5)
+    free = _free_run(compiled, ids, mask)
+    eos, stop = _eos_that_stops_row0_first(free)
+    first = next(t for t in range(256) if t not in free[0] and t not in free[1])
+
+    expected = _hf(ref, ids, mask, eos_token_id=[first, eos])
+    got = _kvtopo(compiled, ids, mask, eos_token_id=[first, eos])
+    _assert_same(expected, got)
+    assert got[0][0, PROMPT:].tolist() == free[0][: stop + 1] + [first] * (STEPS - stop - 1)
+
+
 def test_batch_ends_early_when_every_row_has_stopped(models):
     ref, compiled = models
     ids, mask = _left_padded((17, PROMPT), seed=9)

@@ -356,3 +356,20 @@ def test_the_helper_checks_ids_and_mask_before_anything_is_stored(ids, mask, mes
         with pytest.raises(ValueError, match=f"kvtopo.hf_cache.generate: {message}"):
             kvtopo.hf_cache.generate(model, ids, attention_mask=mask, max_new_tokens=2)
         assert s.stats().tokens == ()
+
+
+def test_a_batch_whose_second_row_does_not_continue_its_stored_ids_raises():
+    """Every row is checked: row 0 continues its stored text, row 1's prompt is another text, which
+    HF generate would cut at the stored length and continue row 1's earlier conversation."""
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    ids, other = _prompt(batch=2, length=20, seed=3), _prompt(batch=2, length=20, seed=4)
+    with kvtopo.session(kvtopo.Config.lossless()) as s, torch.no_grad():
+        first = kvtopo.hf_cache.generate(model, ids[:, :12], max_new_tokens=3, do_sample=False)
+        history = torch.cat([first, ids[:, 15:]], 1)  # each row's stored ids plus a turn
+        with pytest.raises(ValueError, match="the prompt does not start with them"):
+            kvtopo.hf_cache.generate(model, torch.cat([history[:1], other[1:]]), max_new_tokens=3, do_sample=False)
+        assert s.stats().tokens == (14, 14)  # nothing was fed by the refused call
+        continued = kvtopo.hf_cache.generate(model, history, max_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        expected = zoo.build("llama").generate(history, max_new_tokens=3, do_sample=False)
+    assert torch.equal(continued, expected)

@@ -188,6 +188,38 @@ class TrainingDropout(_Projections):
         return self.out(F.scaled_dot_product_attention(q, self.repeat_kv(k), self.repeat_kv(v), dropout_p=0.1))
 
 
+class SoftcapOtherDivisor(_Projections):
+    """`30 * tanh(scores / 50)`: a tanh with a cap other than its divisor is no softcap the op applies."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        t = x.shape[1]
+        scores = 30.0 * torch.tanh(q @ self.repeat_kv(k).transpose(-1, -2) / 50.0)
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
+
+
+class SoftFill(_Projections):
+    """`masked_fill(future, -100)` lowers the future keys' scores without hiding them: a bias."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        t = x.shape[1]
+        scores = (q @ self.repeat_kv(k).transpose(-1, -2) * 0.35).masked_fill(
+            torch.ones(t, t, dtype=torch.bool).triu(1), -100.0)
+        return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
+
+
+class EagerTrainingDropout(_Projections):
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        t = x.shape[1]
+        scores = (q @ self.repeat_kv(k).transpose(-1, -2) * 0.35).masked_fill(
+            torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        probs = F.dropout(torch.softmax(scores, dim=-1), 0.1, training=True)
+        return self.out(probs @ self.repeat_kv(v))
+
+
 REFUSED = [
     (CrossAttention, "cross-attention"),
     (SoftmaxOverQueries, "not the key axis"),
@@ -196,6 +228,9 @@ REFUSED = [
     (ReturnsProbabilities, "used elsewhere"),
     (TensorTimesScores, "multiplied by a tensor"),
     (TrainingDropout, "dropout"),
+    (EagerTrainingDropout, "attention dropout p=0.1 training=True"),
+    (SoftcapOtherDivisor, "not as `cap * tanh(scores / cap)`"),
+    (SoftFill, "fills the scores with -100.0, not a large negative value"),
     (AlibiBias, "not built from a mask"),
     (SDPAAlibiBias, "not built from a mask"),
     (IntegerDistanceBias, "not built from a mask"),
@@ -249,3 +284,99 @@ def test_falcon_eager_attention_scaled_in_place_gives_the_uncompiled_tokens():
         assert session.stats().tokens == (got.shape[1] - 1,)  # every token but the last was stored
     assert len(set(expected[0, 37:].tolist())) > 5  # a model whose tokens vary, so agreement means something
     assert torch.equal(got, expected)
+
+
+class TiledRepeat(_Projections):
+    """GQA repeat with the copies outermost (`k[:, None].expand(B, n, Hkv, S, d)`): query head h reads
+    kv head h % Hkv, not HF's h // n. Written three ways that put the new axis at dim 1."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+
+    def tile(self, t):
+        n = self.heads // self.kv_heads
+        b, h, s, d = t.shape
+        new_axis = {"[:, None]": lambda: t[:, None], "[:, None, :, :, :]": lambda: t[:, None, :, :, :],
+                    "unsqueeze(1)": lambda: t.unsqueeze(1)}[self.spelling]()
+        return new_axis.expand(b, n, h, s, d).reshape(b, n * h, s, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        return self.out(F.scaled_dot_product_attention(q, self.tile(k), self.tile(v), is_causal=True))
+
+
+@pytest.mark.parametrize("spelling", ["[:, None]", "[:, None, :, :, :]", "unsqueeze(1)"])
+def test_kv_heads_tiled_rather_than_repeated_are_not_taken_for_hf_repeat_kv(spelling):
+    """Walked back as HF's repeat_kv, query head 1 would read kv head 0 instead of 1. The tiled
+    tensor is attended as it is, 4 heads of keys, compiled and chunk by chunk in a session."""
+    block = TiledRepeat(spelling).eval()
+    x = torch.randn(2, 9, 32)
+    report = kvtopo.inspect(block, x)
+    assert [(s.heads, s.kv_heads) for s in report.sites] == [(4, 4)] and not report.refusals
+    compiled = torch.compile(block, backend="kvtopo", options={"inductor": False})
+    with torch.no_grad():
+        expected = block(x)
+        torch.testing.assert_close(compiled(x), expected, atol=1e-5, rtol=0)
+        with kvtopo.session(kvtopo.Config.lossless(page_size=4)):
+            parts = [compiled(x[:, :5]), compiled(x[:, 5:])]
+    torch.testing.assert_close(torch.cat(parts, 1), expected, atol=1e-5, rtol=0)
+
+
+class NarrowValues(nn.Module):
+    """Queries and keys of 16 dims, values of 8, SDPA without `scale=`: its default is 1/sqrt(16),
+    the query's head dim."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v = nn.Linear(32, 4 * 16, bias=False), nn.Linear(32, 2 * 16, bias=False), \
+            nn.Linear(32, 2 * 8, bias=False)
+        self.o = nn.Linear(4 * 8, 32, bias=False)
+
+    def heads(self, x):
+        b, t, _ = x.shape
+        return (self.q(x).view(b, t, 4, 16).transpose(1, 2), self.k(x).view(b, t, 2, 16).transpose(1, 2),
+                self.v(x).view(b, t, 2, 8).transpose(1, 2))
+
+    def forward(self, x):
+        q, k, v = self.heads(x)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(attn.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+def test_sdpa_default_scale_follows_the_query_head_dim_when_values_are_narrower():
+    block = NarrowValues().eval()
+    x = torch.randn(2, 7, 32)
+    report = kvtopo.inspect(block, x)
+    assert [(s.head_dim, s.value_head_dim, s.scale) for s in report.sites] == [(16, 8, 0.25)]
+    with torch.no_grad():
+        q, k, v = (t.double() for t in block.heads(x))
+        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)  # enable_gqa: query head h reads kv head h // 2
+        scores = (q @ k.transpose(-1, -2) / 4.0).masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+        reference = (torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(2, 7, -1) @ block.o.weight.double().T
+        expected = block(x)
+        got = torch.compile(block, backend="kvtopo", options={"inductor": False})(x)
+    torch.testing.assert_close(expected.double(), reference, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+class ScaledTwice(_Projections):
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        t = x.shape[1]
+        scores = (q @ self.repeat_kv(k).transpose(-1, -2)) / 4.0 * 0.5
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
+
+
+def test_scale_factors_written_one_after_another_multiply():
+    """`/ 4 * 0.5` is one scale of 0.125 (the default for these heads would be 1/sqrt(8))."""
+    block = ScaledTwice().eval()
+    x = torch.randn(2, 7, 32)
+    report = kvtopo.inspect(block, x)
+    assert [s.scale for s in report.sites] == [0.125]
+    with torch.no_grad():
+        expected = block(x)
+        got = torch.compile(block, backend="kvtopo", options={"inductor": False})(x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -126,3 +126,51 @@ def test_mla_rewrite_counts_and_removes_per_head_key_construction():
     assert count(torch.ops.kvtopo.mla_attention.default) == 2
     assert count(F.scaled_dot_product_attention) == 0 and count("copy_", "call_method") == 0
     assert count("new_empty", "call_method") == 0
+
+
+class _RopeHeadsMLA(torch.nn.Module):
+    """MLA as DeepSeek writes it, its RoPE key with `rope_heads` heads expanded over the query
+    heads: one is the shared key the op caches beside the latent; one per head is not MLA."""
+
+    def __init__(self, rope_heads, heads=2, latent=8, nope=4, rope=4, v=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.h, self.rope_heads, self.nope, self.rope, self.v = heads, rope_heads, nope, rope, v
+        self.q = torch.nn.Linear(16, heads * (nope + rope), bias=False)
+        self.kv_a = torch.nn.Linear(16, latent + rope_heads * rope, bias=False)
+        self.kv_b = torch.nn.Linear(latent, heads * (nope + v), bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.h, -1).transpose(1, 2)
+        latent, k_rope = torch.split(self.kv_a(x), [self.kv_b.in_features, self.rope_heads * self.rope], dim=-1)
+        latent, k_rope = latent.view(b, 1, t, -1), k_rope.view(b, t, self.rope_heads, self.rope).transpose(1, 2)
+        kv = self.kv_b(latent).view(b, t, -1, self.nope + self.v).transpose(1, 2)
+        k_nope, value = torch.split(kv, [self.nope, self.v], dim=-1)
+        key = kv.new_empty(b, self.h, t, self.nope + self.rope)
+        key[..., : self.nope].copy_(k_nope)
+        key[..., self.nope:].copy_(k_rope.expand(-1, self.h, -1, -1))
+        return F.scaled_dot_product_attention(q, key, value, is_causal=True)
+
+
+def test_a_rope_key_per_head_is_not_taken_for_mlas_shared_one():
+    """Cached as one shared key, every head would attend with head 0's RoPE part. The pass proves
+    the one-head form and refuses the per-head one, which the plain finder caches per head, exactly."""
+    x = torch.randn(1, 5, 16)
+    found = []
+
+    def check(gm, example_inputs):
+        found.append(find_mla_sites(gm))
+        return gm.forward
+
+    for rope_heads in (1, 2):
+        with torch.no_grad():
+            torch.compile(_RopeHeadsMLA(rope_heads).eval(), backend=check)(x)
+    (shared, none), (per_head, refusals) = found
+    assert len(shared) == 1 and not none and not per_head
+    assert len(refusals) == 1 and "not shared across heads" in refusals[0].reason
+    block = _RopeHeadsMLA(2).eval()
+    with torch.no_grad():
+        expected = block(x)
+        got = torch.compile(block, backend="kvtopo", options={"inductor": False})(x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

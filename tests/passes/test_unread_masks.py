@@ -15,6 +15,7 @@ import transformers
 
 import kvtopo
 from kvtopo.backend import RefusedAttention
+from kvtopo.models import zoo
 from kvtopo.models.blocks import _Projections
 
 
@@ -32,6 +33,9 @@ MASKS = {
     "kv - q <= 0": lambda q, kv: kv - q <= 0,
     "tril": lambda q, kv: torch.ones(q.shape[0], kv.shape[1], dtype=torch.bool).tril(),
     "causal, window 4 (HF form)": lambda q, kv: (kv <= q) & (kv > q - 4),
+    "causal, window 4 as q - kv < 4": lambda q, kv: (kv <= q) & (q - kv < 4),
+    "causal, window 4 as q - kv <= 3": lambda q, kv: (kv <= q) & (q - kv <= 3),
+    "causal, window 4 as 4 > q - kv": lambda q, kv: (kv <= q) & (4 > q - kv),
     # refused: structure over absolute positions or distances the passes do not read
     "block of 4": lambda q, kv: (kv <= q) & (kv // 4 == q // 4),
     "window as kv + 4 > q": lambda q, kv: (kv <= q) & (kv + 4 > q),
@@ -77,6 +81,14 @@ def test_the_passes_rewrite_only_masks_whose_whole_structure_they_read(name):
     with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless(page_size=2)):
         got = torch.cat([compiled(x[:, a:b]) for a, b in ((0, 3), (3, 4), (4, 9), (9, 10), (10, 11), (11, 12))], 1)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(name for name in MASKS if "window 4" in name))
+def test_a_window_is_read_as_the_keys_it_keeps(name):
+    """Each form keeps a query's own key and the 3 before it: a window of 4 tokens, which the
+    session applies to the history (the chunks above check it against the model)."""
+    report = kvtopo.inspect(MaskedAttention(MASKS[name]).eval(), torch.randn(1, 3, 32))
+    assert [s.window for s in report.sites] == [4]
 
 
 def _llama4_chunked(attn_implementation: str):
@@ -148,3 +160,27 @@ def test_a_mask_read_from_the_models_buffers_is_refused():
     in a buffer the same way)."""
     report = kvtopo.inspect(TableMask().eval(), torch.randn(1, 3, 32))
     assert not report.sites and "a tensor of the model" in report.refusals[0].reason
+
+
+class BlockIdTable(_Projections):
+    """Blocks of 4 tokens written as a lookup: a buffer of block ids read at the query and at the key."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("block_id", torch.arange(64) // 4)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        qi, ki = _indices(x)
+        mask = (ki <= qi) & (self.block_id[ki] == self.block_id[qi])
+        return self.out(F.scaled_dot_product_attention(q, self.repeat_kv(k), self.repeat_kv(v), attn_mask=mask))
+
+
+def test_ids_compared_at_query_and_key_pass_only_as_hfs_packed_sequence_ids():
+    """HF's packed-sequence ids (a cumsum of where the call's position_ids restart; built for a
+    forward without a cache) are compared at the query and at the key, and accepted. The same
+    comparison over a table the model keeps is a block mask a 3-token chunk cannot show: refused."""
+    report = kvtopo.inspect(BlockIdTable().eval(), torch.randn(1, 3, 32))
+    assert not report.sites and "neither causal order" in report.refusals[0].reason
+    report = kvtopo.inspect(zoo.build("llama", "eager"), input_ids=torch.randint(0, 256, (1, 3)), use_cache=False)
+    assert len(report.sites) == 2 and not report.refusals

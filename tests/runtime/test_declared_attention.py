@@ -282,3 +282,89 @@ def test_a_window_declared_for_a_module_compiled_in_a_graph_of_its_own_is_applie
         names = [name.split("/")[1] for name in session.layers]
     assert names == (["attn_output"] * 2 if frame == "attention" else ["self_attn"] * 2)  # relative names
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("rope_type,stored,chunk,raises", [
+    ("dynamic", 28, 5, True),  # ends one past the limit: rotated for 33, the stored keys for 28
+    ("dynamic", 28, 4, False),  # ends at the limit: nothing is rescaled yet
+    ("dynamic", 40, 1, False),  # a decode step past it scales its one token as HF's cached decode does
+    ("longrope", 28, 5, True),  # the short-factor keys taken one past the switch
+    ("longrope", 28, 4, False),  # up to the switch: short factor throughout
+    ("longrope", 32, 1, True),  # the first token past the switch, after exactly `after` stored
+    ("longrope", 33, 2, False)])  # stored past the switch: already rotated with the long factor
+def test_rescaled_rope_is_refused_from_the_first_token_past_its_limit(rope_type, stored, chunk, raises):
+    from kvtopo.runtime.declared_attention import Rescaled, check_rescaled
+
+    def check():
+        check_rescaled("model.layers.0.self_attn", Rescaled(rope_type, LIMIT), stored, chunk)
+
+    if raises:
+        with pytest.raises(ValueError, match=f"after {LIMIT} tokens|passes {LIMIT} tokens"):
+            check()
+    else:
+        check()
+
+
+class _ConvThenAttention(torch.nn.Module):
+    """A causal depthwise convolution over the last 3 tokens (the short convolution of LFM2 or
+    Mamba, in a plain module), then causal attention: the convolution carries tokens into the next
+    call, which a session does not store."""
+
+    def __init__(self):
+        super().__init__()
+        from kvtopo.models.blocks import SDPACausal
+
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(64, 32)
+        self.conv = torch.nn.Conv1d(32, 32, 3, groups=32, padding=2)
+        self.attn = SDPACausal()
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, input_ids, position_ids=None, use_cache=False):
+        x = self.conv(self.embed(input_ids).transpose(1, 2))[..., :input_ids.shape[1]].transpose(1, 2)
+        return (self.head(self.attn(x)),)
+
+
+def test_a_depthwise_convolution_over_tokens_is_state_outside_attention():
+    """kvtopo.generate runs such a model without the session (recomputing the whole sequence, a
+    module without an HF cache), giving the uncompiled model's greedy tokens."""
+    from kvtopo.runtime.declared_attention import state_outside_attention
+
+    model = _ConvThenAttention().eval()
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+    expected = ids
+    with torch.no_grad():
+        for _ in range(5):
+            expected = torch.cat([expected, model(expected)[0][:, -1].argmax(-1, keepdim=True)], 1)
+    assert state_outside_attention(model) == "depthwise Conv1d over tokens"
+    kvtopo.compile(model, inductor=False)
+    with pytest.warns(UserWarning, match=r"keeps state outside attention \(depthwise Conv1d over tokens\)"):
+        assert torch.equal(kvtopo.generate(model, ids, max_new_tokens=5), expected)
+
+
+class _WindowedAttention(torch.nn.Module):
+    """An HF-like attention module (`config`, `layer_idx`) whose config declares a window."""
+
+    def __init__(self, window, index):
+        super().__init__()
+        self.config, self.layer_idx = type("Config", (), {"sliding_window": window})(), index
+        self.proj = torch.nn.Linear(4, 4)
+
+
+def test_a_name_relative_to_a_submodule_that_two_layers_match_declares_nothing():
+    """A graph compiled from a submodule's frame names its site relative to it; when the graph's
+    first parameter lies under two attention modules ending in that name, neither is meant more
+    than the other: no window is applied rather than the wrong layer's."""
+    from kvtopo.runtime import declared_attention
+
+    inner = torch.nn.ModuleDict({"attn": _WindowedAttention(8, 1), "mlp": torch.nn.Linear(4, 4)})
+    model = torch.nn.ModuleDict({"block": torch.nn.ModuleDict({"attn": _WindowedAttention(4, 0), "sub": inner})})
+    declared_attention.declare(model)
+    in_sub, in_attn = model.block.sub.mlp.weight, model.block.attn.proj.weight
+
+    def window(key, name):
+        return getattr(declared_attention.declared(key, name), "window", None)
+
+    assert window(in_sub, "attn") is None  # block.attn and block.sub.attn both hold block.sub.mlp
+    assert window(in_sub, "sub.attn") == 8
+    assert window(in_attn, "attn") == 4
