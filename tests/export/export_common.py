@@ -47,7 +47,7 @@ def assert_host_runner_matches_session(session_references, name: str, export_dir
     runners = {}
     for a in export_module("check").compare_with_session(None, export_dir, runtimes, ids, new, reference=reference):
         assert a.runner.config == exported
-        assert a.same_tokens, a.describe()
+        assert a.same_tokens or a.parted_at_a_tie, a.describe()
         # float32 runtime vs PyTorch (other summation orders) over 32 steps of a random-weight
         # model, same kept tokens on both sides: up to 1.3e-3 measured (onnxruntime, qwen3-moe).
         # OpenVINO's CPU kernels depend on the machine: 9.8e-3 on qwen3-moe on an AVX-512 BF16

@@ -1,6 +1,7 @@
 """The export entry points' handling of what the caller passes: an output directory nothing can
 be written to is refused before any tracing; the caller's model comes back in its own modes."""
 
+import numpy as np
 import pytest
 
 from kvtopo.models import zoo
@@ -31,3 +32,32 @@ def test_export_traces_in_eval_mode_and_restores_the_callers_modes(function, mod
     getattr(export_package(), function)(model, tmp_path)
     assert seen == [[False] * len(modes)]
     assert [m.training for m in model.modules()] == modes
+
+
+class _Runner:
+    def nbytes(self):
+        return 100
+
+
+@pytest.mark.parametrize("gap,tied", [(1e-4, True), (0.5, False)])
+def test_runs_that_part_are_judged_by_the_sessions_gap_where_they_part(gap, tied):
+    """A runtime's greedy run that parts from the session's where the session's top two logits
+    lie within twice the float error seen before parted at a near-tie (summation order decides
+    it); parted anywhere else, the tokens differ. The error is taken up to the parting step,
+    since the runs continue different texts after it."""
+    from kvtopo.export.check import agreement
+
+    session_logits = np.zeros((3, 5), dtype=np.float32)
+    session_logits[:, 1] = 1.0
+    session_logits[1, 2] = 1.0 - gap  # at new token 1 the session's runner-up is token 2
+    runtime_logits = session_logits + 1e-4
+    runtime_logits[1, 2] += gap  # the runtime's own rounding ranks token 2 first there
+    runtime_logits[2] = 50.0  # after parting: another text, not compared
+    reference = ([7, 1, 1, 1], session_logits, 100)
+    result = agreement("rt", _Runner(), [7, 1, 2, 4], runtime_logits, reference)
+    assert result.parted_at == 1 and result.tie_gap == pytest.approx(gap, rel=1e-3)
+    assert result.max_logit_error == pytest.approx(max(1e-4, gap + 1e-4), rel=1e-3)
+    assert not result.same_tokens and result.parted_at_a_tie is tied
+    assert ("near-tie" in result.describe()) is tied and ("TOKENS DIFFER" in result.describe()) is not tied
+    same = agreement("rt", _Runner(), [7, 1, 1, 1], session_logits + 1e-4, reference)
+    assert same.same_tokens and same.parted_at is None and not same.parted_at_a_tie

@@ -43,7 +43,7 @@ def _assert_profile_matches_session(llama, out, runtimes):
         buffers = runner.layers[0].feeds()[0]
         assert buffers["exact_k"].dtype == buffers["key_vectors"].dtype == buffers["mid_k_scale"].dtype == np.float16
         assert buffers["mid_k_codes"].dtype == np.uint8
-        assert a.same_tokens, a.describe()
+        assert a.same_tokens or a.parted_at_a_tie, a.describe()
         assert a.max_logit_error < LOGIT_TOLERANCE, a.describe()
         assert a.bytes_held == ref_bytes, a.describe()  # the float32 session's accounting: same evictions
         assert {p.phase.value for layer in runner.layers for p in layer.pages} == {"initial", "mid", "recent",

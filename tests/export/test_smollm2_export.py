@@ -43,7 +43,7 @@ def test_smollm2_export_matches_session(smollm2_reference, runtime, tmp_path):
     export = kx.export_iree if runtime == "iree" else kx.export_onnx
     export(model, tmp_path, config=CONFIG, max_context=PROMPT + NEW + CONFIG.page_size)
     (agreement,) = compare_with_session(model, tmp_path, [runtime], ids, NEW, reference=reference)
-    assert agreement.same_tokens, agreement.describe()
+    assert agreement.same_tokens or agreement.parted_at_a_tie, agreement.describe()
     # The zoo tests' 2e-3 is for random-weight models; 30 real layers carry larger logits (float32
     # runtimes vs PyTorch, same kept tokens): 1.4e-2 measured on IREE.
     assert agreement.max_logit_error < 5e-2, agreement.describe()

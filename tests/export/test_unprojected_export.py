@@ -148,5 +148,5 @@ def test_unprojected_npu_profile_matches_session(onnx_export, session_references
     for a in compare_with_session(None, out, ("onnxruntime", "openvino"), ids, new, reference=reference):
         assert a.runner.config == session_config and a.runner.layers[0].mid_len > 0
         assert a.runner.layers[0].mid["mid_v_scale"].dtype == np.float16
-        assert a.same_tokens and a.max_logit_error < LOGIT_TOLERANCE, a.describe()
+        assert (a.same_tokens or a.parted_at_a_tie) and a.max_logit_error < LOGIT_TOLERANCE, a.describe()
         assert a.bytes_held == reference[2], a.describe()
