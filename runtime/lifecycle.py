@@ -105,7 +105,8 @@ def page_room(budget: float, held: float, fixed: float, tokens: int, mid_tokens_
     and says so (`stats().budget_missed`, the achieved ratio). As the sequence grows the fixed
     pages weigh less, the floor falls with them and the budget is met once they take under
     half of it (bench/needle_configs.py shows what this keeps on a real model). A byte budget
-    stays a hard cap.
+    gets no floor (a page that keeps no token still costs its row count: a long run past the cap
+    ends a few bytes over it per page, as `stats().budget_missed` reports).
     """
     room = (budget - held) * tokens / max(mid_tokens_coming, tokens)
     if config.over_budget == "evict" and config.target_ratio is not None and config.layer_budget_bytes is None:
@@ -256,17 +257,24 @@ class Lifecycle:
 
     def settle(self, seq: SequenceState, start: int) -> None:
         """Give pages `start..` (and any waiting in Recent) the phase the plan says, re-encoding
-        those that move; while the append holds (`holds`), a page due in Mid waits in Recent."""
+        those that move; while the append holds (`holds`), a page due in Mid waits in Recent.
+        Pages enter Mid last: the room each gets (`keep_count`) is then judged beside the Recent
+        codes of the Terminal pages leaving for Recent, not their exact slots (judged before them,
+        the first pages to enter Mid after a prompt that filled its budget kept no token, and
+        over_budget="raise" raised where the budget could be met)."""
         count = len(seq.pages)
         if seq.held_from is not None and not seq.holding:  # while it holds, the waiting pages stay
             start = min(start, seq.held_from)
+        moves = []
         for index in range(start, count):
             page, target = seq.pages[index], self.plan.phase(index, count)
             if target is Phase.MID and seq.holding and page.phase is not Phase.MID:
                 target = Phase.RECENT
                 seq.held_from = index if seq.held_from is None else seq.held_from
             if page.phase != target and not page.dropped:
-                self._move(seq, index, target)
+                moves.append((index, target))
+        for index, target in sorted(moves, key=lambda move: move[1] is Phase.MID):  # stable: in page order
+            self._move(seq, index, target)
         if not seq.holding:
             seq.held_from = None
         self._settled(seq)
@@ -368,12 +376,12 @@ class Lifecycle:
         """The error for `pages` pages entering Mid that cannot fit the budget even keeping no
         token (`empty` bytes together), beside the `held` bytes of which `mid` are Mid tokens
         earlier pages kept (with their bases). `settled`: `held` is what the append's end will
-        hold; else what is held now, while the pages the append moves after these still hold
-        what they held before it (a Terminal page leaving for Recent, its exact slot)."""
+        hold; else what is held now, while the pages the append moves into Mid after these still
+        hold their Recent codes."""
         fixed = held - mid
         where = f"{fixed:.0f} in exact/Recent pages and metadata"
         if not settled:
-            where += " (as they are now: the pages this append moves after these are not re-encoded yet)"
+            where += " (as they are now: the pages this append moves into Mid after these still hold their Recent codes)"
         if mid > 0:
             where = (f"{mid:.0f} in Mid tokens that earlier pages kept (a Mid page's tokens are chosen once, when it "
                      f"enters Mid, so those pages cannot give bytes back) and {where}")

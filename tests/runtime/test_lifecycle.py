@@ -288,12 +288,14 @@ def test_raise_never_leaves_the_store_over_budget(scope, recent_bits):
 
 
 def test_budget_exceeded_after_the_prompt_names_the_mid_tokens_kept_before():
-    """A prompt that meets a ratio budget exactly can leave a later page (here at a decode page
-    boundary) no room even keeping nothing: the bytes that stand in its way include the Mid
-    tokens the prompt's pages kept, which cannot be given back (chosen once, as each page
-    entered Mid). The error says so instead of blaming only the exact/Recent pages and metadata
-    (and advising to lower sink_tokens/recent_tokens)."""
-    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=8.0, over_budget="raise")
+    """A prompt that meets a byte cap exactly leaves a later page (here at a decode page boundary)
+    no room even keeping nothing (an empty Mid page still costs its row count, and the cap does
+    not grow with the sequence): the bytes that stand in its way include the Mid tokens the
+    prompt's pages kept, which cannot be given back (chosen once, as each page entered Mid). The
+    error says so instead of blaming only the exact/Recent pages and metadata (and advising to
+    lower sink_tokens/recent_tokens)."""
+    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, target_ratio=None,
+                           layer_budget_bytes=32_000, over_budget="raise")
     n, dim = 1000, 32
     g = torch.Generator().manual_seed(0)
     k, v, q = (torch.randn(heads, n + 40, dim, generator=g).to(torch.float16) for heads in (2, 2, 4))
@@ -309,6 +311,30 @@ def test_budget_exceeded_after_the_prompt_names_the_mid_tokens_kept_before():
     message = str(error.value)
     assert mid > 0 and f"{mid} in Mid tokens that earlier pages kept" in message, message
     assert "chosen once" in message and "exact/Recent pages and metadata already hold" not in message, message
+
+
+@pytest.mark.parametrize("over_budget", ["raise", "evict"])
+def test_pages_entering_mid_after_a_prompt_that_filled_its_budget_keep_their_share(over_budget):
+    """After a prompt that met its ratio budget, each page decoding pushes into Mid keeps what
+    the budget's growth leaves it, every step within budget. Before, the room of a page entering
+    Mid was judged while the Terminal page leaving for Recent still counted its exact slot: the
+    first pages after the prompt kept no token (under "evict") or raised (under "raise") although
+    the budget could be met."""
+    config = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, over_budget=over_budget)
+    n, steps, dim = 2000, 96, 32
+    g = torch.Generator().manual_seed(0)
+    k, v, q = (torch.randn(heads, n + steps, dim, generator=g) for heads in (2, 2, 4))
+    with kvtopo.session(config) as s:
+        s.attend("l", q[None, :, :n], k[None, :, :n], v[None, :, :n], None, dim ** -0.5)
+        cache = s.layers["l"]
+        entry = cache.sequences[0]
+        before = len([p for p in entry.pages if p.kept is not None])
+        for pos in range(n, n + steps):
+            s.attend("l", q[None, :, pos:pos + 1], k[None, :, pos:pos + 1], v[None, :, pos:pos + 1], None, dim ** -0.5)
+            assert cache.sequence_nbytes(entry) <= cache.budget(cache.length(0)), pos
+        after = [p.kept for p in entry.pages if p.kept is not None][before:]
+    # The first enters Mid one token after the prompt, when the budget has grown by one token only.
+    assert len(after) == steps // 16 and min(after[1:]) > 0, after
 
 
 def _kept_per_page(config, chunks, n=1024, dim=32, with_segment=False):
