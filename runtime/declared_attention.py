@@ -52,6 +52,7 @@ class _Registered(NamedTuple):
     parameter: weakref.ref
     layers: dict[str, Declared]  # every attention module's name -> what its config declares
     owner: str  # the parameter's module ("model.layers.0.mlp"): where a graph that passes it was compiled
+    state_elsewhere: str | None  # the model's state outside attention, whatever layer a graph names
 
 
 # id(parameter) of a registered model -> its entry. Keyed by id: tensors compare by value, so they
@@ -197,14 +198,14 @@ def declare(model: torch.nn.Module) -> str | None:
         config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
         if config is not None and isinstance(index, int) and "Attention" in type(module).__name__:
             layers[name] = _declared_for(module, config, index, state_elsewhere)
-    if any(found != Declared() for found in layers.values()):
+    if state_elsewhere is not None or any(found != Declared() for found in layers.values()):
         for name, parameter in model.named_parameters():
             owner, held = name.rpartition(".")[0], _DECLARED.get(id(parameter))
             if held is None:
                 weakref.finalize(parameter, _DECLARED.pop, id(parameter), None)
             elif held.parameter() is parameter and len(held.owner) > len(owner):
                 continue  # registered from a module around this one (the backend declares each frame's)
-            _DECLARED[id(parameter)] = _Registered(weakref.ref(parameter), layers, owner)
+            _DECLARED[id(parameter)] = _Registered(weakref.ref(parameter), layers, owner, state_elsewhere)
     return state_elsewhere
 
 
@@ -218,6 +219,8 @@ def declared(model_key: torch.Tensor | None, layer: str) -> Declared | None:
     if name not in entry.layers:
         name = _compiled_within(entry, name)
     found = entry.layers.get(name)
+    if found is None and entry.state_elsewhere is not None:  # not an HF attention module: the state still counts
+        found = Declared(state_elsewhere=entry.state_elsewhere)
     return found if found != Declared() else None
 
 

@@ -342,6 +342,24 @@ def test_a_depthwise_convolution_over_tokens_is_state_outside_attention():
         assert torch.equal(kvtopo.generate(model, ids, max_new_tokens=5), expected)
 
 
+def test_a_plain_module_with_state_outside_attention_is_not_continued_in_a_session():
+    """Called chunk by chunk in a session, such a module's convolution would restart at every call
+    while its attention continued: the second call raises, naming the state. Before, only HF
+    attention modules (a `config` and a `layer_idx`) carried the state, and a plain module's
+    second chunk ran on, silently wrong; one call of the whole sequence stays exact."""
+    model = _ConvThenAttention().eval()
+    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids)[0]
+        kvtopo.compile(model, inductor=False)
+        with kvtopo.session(kvtopo.Config.lossless()):
+            torch.testing.assert_close(model(ids)[0], expected, atol=1e-5, rtol=0)
+        with kvtopo.session(kvtopo.Config.lossless()):
+            model(ids[:, :6])
+            with pytest.raises(ValueError, match=r"state outside attention \(depthwise Conv1d over tokens\)"):
+                model(ids[:, 6:])
+
+
 class _WindowedAttention(torch.nn.Module):
     """An HF-like attention module (`config`, `layer_idx`) whose config declares a window."""
 
