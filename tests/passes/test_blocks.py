@@ -34,6 +34,11 @@ def test_block_decodes_incrementally_in_a_session(name):
     torch.testing.assert_close(torch.cat(parts, 1), block(x).detach(), atol=1e-5, rtol=0)
 
 
+def _future(t: int) -> torch.Tensor:
+    """[t, t] True where a key lies after its query: what a causal mask hides."""
+    return torch.ones(t, t, dtype=torch.bool).triu(1)
+
+
 class CrossAttention(_Projections):
     def forward(self, x, memory):
         b, t, _ = x.shape
@@ -96,7 +101,7 @@ class AlibiBias(_Projections):
         distance = torch.arange(t)[None, :] - torch.arange(t)[:, None]
         bias = torch.tensor([0.5, 0.25, 0.125, 0.0625])[:, None, None] * distance.float()
         scores = q @ self.repeat_kv(k).transpose(-1, -2) * 0.35 + bias
-        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(_future(t), float("-inf"))
         return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
 
 
@@ -106,7 +111,7 @@ class SDPAAlibiBias(_Projections):
         t = x.shape[1]
         distance = torch.arange(t)[None, :] - torch.arange(t)[:, None]
         bias = (torch.tensor([0.5, 0.25, 0.125, 0.0625])[:, None, None] * distance.float()).masked_fill(
-            torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+            _future(t), float("-inf"))
         return self.out(F.scaled_dot_product_attention(q, self.repeat_kv(k), self.repeat_kv(v), attn_mask=bias))
 
 
@@ -134,7 +139,7 @@ class IntegerDistanceBias(_Projections):
         t = x.shape[1]
         distance = torch.arange(t)[None, :] - torch.arange(t)[:, None]
         scores = q @ self.repeat_kv(k).transpose(-1, -2) * 0.35 + distance
-        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(_future(t), float("-inf"))
         return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
 
 
@@ -145,7 +150,7 @@ class SoftmaxWrittenOut(_Projections):
         q, k, v = self.qkv(x)
         t = x.shape[1]
         scores = (q @ self.repeat_kv(k).transpose(-1, -2) * 0.35).masked_fill(
-            torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+            _future(t), float("-inf"))
         weights = torch.exp(scores - scores.amax(-1, keepdim=True))
         return self.out(weights / weights.sum(-1, keepdim=True) @ self.repeat_kv(v))
 
@@ -155,7 +160,7 @@ class ScoresSummedFromABroadcast(_Projections):
         q, k, v = self.qkv(x)
         t = x.shape[1]
         scores = (q.unsqueeze(-2) * self.repeat_kv(k).unsqueeze(-3)).sum(-1) * 0.35
-        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(_future(t), float("-inf"))
         return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
 
 
@@ -178,7 +183,7 @@ class InPlaceScaleOfScoresReadElsewhere(_Projections):
         scores = q @ self.repeat_kv(k).transpose(-1, -2)
         raw = scores.view(scores.shape)
         scores /= 3.0
-        probs = torch.softmax(scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")), dim=-1)
+        probs = torch.softmax(scores.masked_fill(_future(t), float("-inf")), dim=-1)
         return self.out(probs @ self.repeat_kv(v)) + raw.sum()
 
 
@@ -195,7 +200,7 @@ class SoftcapOtherDivisor(_Projections):
         q, k, v = self.qkv(x)
         t = x.shape[1]
         scores = 30.0 * torch.tanh(q @ self.repeat_kv(k).transpose(-1, -2) / 50.0)
-        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(_future(t), float("-inf"))
         return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
 
 
@@ -206,7 +211,7 @@ class SoftFill(_Projections):
         q, k, v = self.qkv(x)
         t = x.shape[1]
         scores = (q @ self.repeat_kv(k).transpose(-1, -2) * 0.35).masked_fill(
-            torch.ones(t, t, dtype=torch.bool).triu(1), -100.0)
+            _future(t), -100.0)
         return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
 
 
@@ -215,7 +220,7 @@ class EagerTrainingDropout(_Projections):
         q, k, v = self.qkv(x)
         t = x.shape[1]
         scores = (q @ self.repeat_kv(k).transpose(-1, -2) * 0.35).masked_fill(
-            torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+            _future(t), float("-inf"))
         probs = F.dropout(torch.softmax(scores, dim=-1), 0.1, training=True)
         return self.out(probs @ self.repeat_kv(v))
 
@@ -353,7 +358,7 @@ def test_sdpa_default_scale_follows_the_query_head_dim_when_values_are_narrower(
     with torch.no_grad():
         q, k, v = (t.double() for t in block.heads(x))
         k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)  # enable_gqa: query head h reads kv head h // 2
-        scores = (q @ k.transpose(-1, -2) / 4.0).masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+        scores = (q @ k.transpose(-1, -2) / 4.0).masked_fill(_future(7), float("-inf"))
         reference = (torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(2, 7, -1) @ block.o.weight.double().T
         expected = block(x)
         got = torch.compile(block, backend="kvtopo", options={"inductor": False})(x)
@@ -366,7 +371,7 @@ class ScaledTwice(_Projections):
         q, k, v = self.qkv(x)
         t = x.shape[1]
         scores = (q @ self.repeat_kv(k).transpose(-1, -2)) / 4.0 * 0.5
-        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(_future(t), float("-inf"))
         return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
 
 
