@@ -170,7 +170,7 @@ def _temperature_tuning(module: torch.nn.Module) -> int | None:
     return None
 
 
-def _declared_for(module: torch.nn.Module, config, index: int, state_elsewhere: str | None) -> Declared:
+def _declared_for(module: torch.nn.Module, config, index: int) -> Declared:
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
     kind = layer_types[index] if layer_types and index < len(layer_types) else (
@@ -182,7 +182,6 @@ def _declared_for(module: torch.nn.Module, config, index: int, state_elsewhere: 
         bidirectional=getattr(module, "is_causal", True) is False,
         rescaled=_rescaled(config, kind),
         temperature_from=_temperature_tuning(module),
-        state_elsewhere=state_elsewhere,
     )
 
 
@@ -197,7 +196,7 @@ def declare(model: torch.nn.Module) -> str | None:
     for name, module in model.named_modules():
         config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
         if config is not None and isinstance(index, int) and "Attention" in type(module).__name__:
-            layers[name] = _declared_for(module, config, index, state_elsewhere)
+            layers[name] = _declared_for(module, config, index)
     if state_elsewhere is not None or any(found != Declared() for found in layers.values()):
         for name, parameter in model.named_parameters():
             owner, held = name.rpartition(".")[0], _DECLARED.get(id(parameter))
@@ -218,9 +217,8 @@ def declared(model_key: torch.Tensor | None, layer: str) -> Declared | None:
     name = layer.split("#")[0]
     if name not in entry.layers:
         name = _compiled_within(entry, name)
-    found = entry.layers.get(name)
-    if found is None and entry.state_elsewhere is not None:  # not an HF attention module: the state still counts
-        found = Declared(state_elsewhere=entry.state_elsewhere)
+    # The model's state outside attention holds for every site, HF attention module or not.
+    found = entry.layers.get(name, Declared())._replace(state_elsewhere=entry.state_elsewhere)
     return found if found != Declared() else None
 
 
