@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch._inductor.config as inductor_config
 import kvtopo
 import kvtopo.backend
 from kvtopo.models import zoo
+from machine import describe_machine
 
 MODEL = "llama-8layer"
 TARGET_SHARE = 0.05
@@ -119,9 +119,7 @@ def main(argv=None) -> dict:
         "meets_target": verdict,
         "modes": modes,
         "environment": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
+            "machine": describe_machine(),
             "torch_threads": torch.get_num_threads(),
             "note": "shared CPU machine: absolute compile times are noisy, the share is what matters",
         },

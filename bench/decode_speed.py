@@ -77,7 +77,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -89,6 +88,7 @@ import kvtopo
 from kvtopo.kernels import cpu_decode, fast_decode
 from kvtopo.kernels.decode_reference import reference_decode
 from kvtopo.runtime import decode_view
+from machine import describe_machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HQ, HKV, D = 32, 8, 128
@@ -266,7 +266,7 @@ def main() -> None:
         "threads": args.threads,
         "reps": args.reps,
         "c_kernel": c_kernel,
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__},
+        "machine": describe_machine(),
         "rows": rows,
         "summary": summary,
     }
@@ -393,8 +393,7 @@ def batch_main(args) -> None:
         "threads": args.threads,
         "reps": args.reps,
         "c_kernel": cpu_decode.c_kernel_available(),
-        "cpus": os.cpu_count(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__},
+        "machine": describe_machine(),
         "rows": rows,
         "summary": summary,
     }

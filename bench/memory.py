@@ -110,7 +110,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -123,6 +122,7 @@ from kvtopo.kernels.directions import principal_basis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memory_mla  # noqa: E402  (the MLA rows; a module next to this script)
+from machine import describe_machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "memory.json"
 
@@ -707,7 +707,7 @@ def main(argv=None) -> int:
         "targets": summary,
         "table": lines,
         "seconds": round(time.perf_counter() - started, 1),
-        "machine": platform.platform(), "torch": torch.__version__,
+        "machine": describe_machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=1))

@@ -103,8 +103,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -118,6 +116,7 @@ from kvtopo.kernels.scoring import expfree_scores, softmax_mass, topk_recall
 from kvtopo.models import tasks as T
 from kvtopo.models.reference import REFERENCE_DIR, VOCAB, encode, load_reference_model
 from kvtopo.runtime.policies import POLICIES
+from machine import describe_machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ALL_POLICIES = ("full", "streaming", "snapkv", "h2o", "knorm", "kivi", "palu", "topo")
@@ -608,8 +607,7 @@ def main(argv=None) -> dict:
             windows=WINDOWS, examples=args.examples, lengths=lengths, ratios=ratios, tasks=args.tasks,
             policies=policies, ppl_windows=args.ppl_windows, ppl_tokens=args.ppl_tokens,
             dtype_check=dict(kl_vs_float32=_mean(dtype_kl) if dtype_kl else None, examples=len(dtype_kl)),
-            torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),
-            cpus=os.cpu_count(), seconds=seconds,
+            machine=describe_machine(), seconds=seconds,
         ),
         plans={str(length): plans[length] for length in lengths},
         skipped=skipped,

@@ -119,8 +119,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -131,6 +129,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality  # noqa: E402  (the policy -> Config mapping and KL are quality.py's)
+from machine import describe_machine  # noqa: E402
 
 import kvtopo  # noqa: E402
 from kvtopo.generate import _SessionForward  # noqa: E402
@@ -766,8 +765,7 @@ def main(argv=None) -> dict:
                   fidelity_lengths=args.fidelity_lengths, fidelity_texts=args.fidelity_texts,
                   cells=cells, lengths_measured=measured["accuracy"] if measured else None,
                   full_agreement_across_envs=[sum(agree), len(agree)] if agree else None,
-                  kvpress=kvpress_meta, torch=torch.__version__, python=platform.python_version(),
-                  cpus=os.cpu_count(), seconds=seconds),
+                  kvpress=kvpress_meta, machine=describe_machine(), seconds=seconds),
         plans={str(n): plans[n] for n in plans}, skipped=skipped, results=results, fidelity=fidelity,
         examples=rows)
     path = args.out / f"{stem}.json"
