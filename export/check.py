@@ -25,7 +25,7 @@ class Agreement:
     runner: object  # the HostRunner, for checks of its pages
     parted_at: int | None = None  # the first new token where the runtime's differs from the session's
     tie_gap: float | None = None  # there: the session's logit of its own token minus that of the runtime's
-    error_before_parting: float | None = None  # the logit error over the new tokens before that one
+    error_before_parting: float | None = None  # the logit error over the new tokens before it (None at the first)
 
     @property
     def same_tokens(self) -> bool:
@@ -35,8 +35,10 @@ class Agreement:
     def parted_at_a_tie(self) -> bool:
         """The runs part where the session's two candidates are closer than twice the float error
         the runtime showed before: summation order decides such a near-tie (each run then
-        continues its own text, so later logits are not compared)."""
-        return self.parted_at is not None and self.tie_gap <= 2 * self.error_before_parting
+        continues its own text, so later logits are not compared). A parting at the first new
+        token has no error before it to judge by (the parting step's own error always covers its
+        gap, however wrong the runtime), so it is never excused."""
+        return self.error_before_parting is not None and self.tie_gap <= 2 * self.error_before_parting
 
     def describe(self) -> str:
         if self.same_tokens:
@@ -53,8 +55,7 @@ class Agreement:
 def agreement(runtime: str, runner, tokens: list[int], logits: np.ndarray, reference) -> Agreement:
     """The runtime's greedy run (`tokens` prompt + new, `logits` [new, V]) next to the session's
     (`reference`, `session_reference`'s result): where the new tokens part, and the logit error
-    up to there (and before there: the float error a near-tie is judged by; for a first new
-    token that parts, its own)."""
+    up to there (and before there: the float error a near-tie is judged by)."""
     ref_tokens, ref_logits, ref_bytes = reference
     new = len(logits)
     ours, theirs = tokens[-new:], ref_tokens[-new:]
@@ -63,7 +64,7 @@ def agreement(runtime: str, runner, tokens: list[int], logits: np.ndarray, refer
     if parted is None:
         return Agreement(runtime, new, tokens, ref_tokens, float(errors.max()), runner.nbytes(), ref_bytes, runner)
     gap = float(ref_logits[parted, theirs[parted]] - ref_logits[parted, ours[parted]])
-    before = float(errors[:parted].max()) if parted else float(errors[0])
+    before = float(errors[:parted].max()) if parted else None
     return Agreement(runtime, new, tokens, ref_tokens, float(errors[: parted + 1].max()), runner.nbytes(), ref_bytes,
                      runner, parted, gap, before)
 

@@ -61,3 +61,18 @@ def test_runs_that_part_are_judged_by_the_sessions_gap_where_they_part(gap, tied
     assert ("near-tie" in result.describe()) is tied and ("TOKENS DIFFER" in result.describe()) is not tied
     same = agreement("rt", _Runner(), [7, 1, 1, 1], session_logits + 1e-4, reference)
     assert same.same_tokens and same.parted_at is None and not same.parted_at_a_tie
+
+
+def test_a_run_that_parts_at_the_first_new_token_is_never_excused_as_a_near_tie():
+    """There the only error to judge by is the parting step's own, which covers any gap: a
+    runtime computing something else entirely (its top token 50 logits up, the session's 10)
+    would pass as a near-tie, and `kvtopo export --target` would exit 0 on it."""
+    from kvtopo.export.check import agreement
+
+    session_logits = np.zeros((4, 8), dtype=np.float32)
+    session_logits[:, 1] = 10.0
+    runtime_logits = np.zeros((4, 8), dtype=np.float32)
+    runtime_logits[:, 5] = 50.0
+    result = agreement("rt", _Runner(), [0, 5, 5, 5, 5], runtime_logits, ([0, 1, 1, 1, 1], session_logits, 100))
+    assert result.parted_at == 0 and result.error_before_parting is None
+    assert not result.parted_at_a_tie and "TOKENS DIFFER" in result.describe()
