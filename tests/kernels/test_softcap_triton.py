@@ -3,19 +3,13 @@
 With ``softcap`` the kernels equal the torch reference (``cpu_decode_attention`` with the C
 kernel disabled: ``partial_dense``/``partial_lowrank`` with the cap) and float64 attention with
 capped logits over the explicitly decoded segments, on segments with large logits where the cap
-changes the output by far more than the tolerance. Same interpreter set-up as
-tests/kernels/test_triton_decode.py (a fresh subprocess when triton was imported without it).
+changes the output by far more than the tolerance. The interpreter set up by
+tests/kernels/triton_interpreter.py (a fresh subprocess when triton was imported without it).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not PREIMPORTED:
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_interpreter import fresh_interpreter_run, in_process  # before anything imports triton
 
 import pytest
 import torch
@@ -26,18 +20,7 @@ from segments import synthetic_segments
 from decode_bound import capped_bound
 from test_softcap_decode import CAPS, SEGMENTS, capped_attention_f64
 
-in_process = pytest.mark.skipif(PREIMPORTED, reason="triton was imported without the interpreter: "
-                                "covered by test_softcap_in_fresh_interpreter_process")
-
-
-@pytest.mark.skipif(not PREIMPORTED, reason="this process already runs the interpreter")
-def test_softcap_in_fresh_interpreter_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=900,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" in run.stdout  # the real tests ran there
+test_in_fresh_interpreter_process = fresh_interpreter_run(__file__)
 
 
 CASES = {  # interpreter-sized versions of the C tests' segments

@@ -5,17 +5,11 @@ S - 1 and all belong to sequence ``entries[e]``).
 tests/kernels/test_triton_decode.py forces splits only for one sequence, and its batch test
 runs one split per entry (interpreter-sized work fills ``_splits``' CPU target at once); on a GPU
 a batch usually has several entries *and* several splits (the target is two programs per SM).
-Same interpreter set-up as tests/kernels/test_triton_decode.py."""
+The interpreter set up by tests/kernels/triton_interpreter.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not PREIMPORTED:
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_interpreter import fresh_interpreter_run, in_process  # before anything imports triton
 
 import dataclasses
 
@@ -29,18 +23,7 @@ from kvtopo.kernels.decode_reference import reference_decode
 from decode_bound import error_bound
 from segments import synthetic_segments
 
-in_process = pytest.mark.skipif(PREIMPORTED, reason="triton was imported without the interpreter: "
-                                "covered by test_batch_splits_in_fresh_interpreter_process")
-
-
-@pytest.mark.skipif(not PREIMPORTED, reason="this process already runs the interpreter")
-def test_batch_splits_in_fresh_interpreter_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=900,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" in run.stdout
+test_in_fresh_interpreter_process = fresh_interpreter_run(__file__)
 
 
 @in_process

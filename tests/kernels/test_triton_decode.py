@@ -20,16 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
-import sys
 
-# The interpreter must be on before triton.language is imported (its standard functions are
-# @triton.jit'd at import). When another test module already imported triton (e.g. through
-# torch._inductor) without it, these tests run again in a fresh subprocess instead.
-PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not PREIMPORTED:
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_interpreter import fresh_interpreter_run, in_process  # before anything imports triton
 
 import pytest
 import torch
@@ -44,17 +36,7 @@ from kvtopo.runtime import decode_view
 from decode_bound import capped_bound, error_bound
 from segments import synthetic_segments
 
-in_process = pytest.mark.skipif(PREIMPORTED, reason="triton was imported without the interpreter: "
-                                "covered by test_in_fresh_interpreter_process")
-
-
-@pytest.mark.skipif(not PREIMPORTED, reason="this process already runs the interpreter")
-def test_in_fresh_interpreter_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" in run.stdout  # the real tests ran there
+test_in_fresh_interpreter_process = fresh_interpreter_run(__file__)
 
 @st.composite
 def segment_cases(draw):

@@ -1,5 +1,5 @@
 """The Triton decode kernels' online softmax where float32 exp would under- or overflow without
-the running max (run by the Triton interpreter on CPU, as tests/kernels/test_triton_decode.py).
+the running max (run by the Triton interpreter on CPU, set up by tests/kernels/triton_interpreter.py).
 
 Shift-invariance hides a wrong running max on the suite's logits (|logit| < ~40): a running max
 started at 0 instead of -inf, or replaced by each block's own max instead of the max so far,
@@ -10,13 +10,7 @@ tokens and forced splits."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not PREIMPORTED:
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_interpreter import fresh_interpreter_run, in_process  # before anything imports triton
 
 import dataclasses
 
@@ -31,18 +25,7 @@ from kvtopo.kernels.quant import quantize
 from decode_bound import error_bound
 from segments import unprojected_mid
 
-in_process = pytest.mark.skipif(PREIMPORTED, reason="triton was imported without the interpreter: "
-                                "covered by test_large_logits_in_fresh_interpreter_process")
-
-
-@pytest.mark.skipif(not PREIMPORTED, reason="this process already runs the interpreter")
-def test_large_logits_in_fresh_interpreter_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=900,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" in run.stdout
+test_in_fresh_interpreter_process = fresh_interpreter_run(__file__)
 
 
 HEADS, GROUP, D, SHIFT = 1, 2, 32, 10.0

@@ -4,17 +4,11 @@ else all widened to float32. The store keeps float32 statistics for a page whose
 float16's range (kernels/quant.py), so one launch can meet both: the keys of one segment in
 float32 and its values in float16, or a sequence's current Mid in float16 beside an earlier epoch
 in float32. tests/kernels/test_triton_decode.py checks all-float16 against all-float32 only.
-Same interpreter set-up as tests/kernels/test_triton_decode.py."""
+The interpreter set up by tests/kernels/triton_interpreter.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not PREIMPORTED:
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_interpreter import fresh_interpreter_run, in_process  # before anything imports triton
 
 import dataclasses
 
@@ -26,18 +20,7 @@ from kvtopo.kernels.decode_reference import reference_decode
 
 from segments import synthetic_segments
 
-in_process = pytest.mark.skipif(PREIMPORTED, reason="triton was imported without the interpreter: "
-                                "covered by test_stat_dtypes_in_fresh_interpreter_process")
-
-
-@pytest.mark.skipif(not PREIMPORTED, reason="this process already runs the interpreter")
-def test_stat_dtypes_in_fresh_interpreter_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=900,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" in run.stdout
+test_in_fresh_interpreter_process = fresh_interpreter_run(__file__)
 
 
 def _stats(mid, dtypes):
