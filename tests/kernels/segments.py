@@ -3,6 +3,8 @@ encodes them, every phase of any size (including empty)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvtopo.kernels.decode_inputs import DecodeSegments, MidCodes, RecentCodes, rank_columns
@@ -101,3 +103,13 @@ def decode_on_threads(q, segs: DecodeSegments, scale: float, threads: int, softc
         return fast_decode.decode_attention(q, segs, scale, out=out, softcap=softcap)
     finally:
         torch.set_num_threads(before)
+
+
+def concat_mids(a, b):
+    """Two unprojected Mid segments' rows one after the other (b's pages after a's)."""
+    pages = int(a.row_stat.max()) + 1
+    return dataclasses.replace(
+        a, k_rows=torch.cat([a.k_rows, b.k_rows]), k_scale=torch.cat([a.k_scale, b.k_scale]),
+        k_offset=torch.cat([a.k_offset, b.k_offset]), v_rows=torch.cat([a.v_rows, b.v_rows]),
+        v_scale=torch.cat([a.v_scale, b.v_scale]), v_offset=torch.cat([a.v_offset, b.v_offset]),
+        row_stat=torch.cat([a.row_stat, b.row_stat + pages]))

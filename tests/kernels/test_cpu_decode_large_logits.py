@@ -21,7 +21,7 @@ from kvtopo.kernels.decode_reference import reference_decode
 from kvtopo.kernels.quant import quantize
 
 from decode_bound import error_bound
-from segments import decode_on_threads, unprojected_mid
+from segments import concat_mids, decode_on_threads, unprojected_mid
 
 pytestmark = pytest.mark.skipif(not cpu_decode.c_kernel_available(), reason="the CPU decode kernel did not build here")
 
@@ -74,21 +74,9 @@ def test_later_split_far_above_the_first(threads):
     plain, shifted = _shifted(2, 0.0), _shifted(3, SHIFT)
     low, _ = unprojected_mid(plain, HEADS, D, D, (8,) * 192, 4)
     high, _ = unprojected_mid(shifted, HEADS, D, D, (8,) * 96, 4)
-    mid = _concat_mids(low, high)
+    mid = concat_mids(low, high)
     assert mid.tokens == 2304
     q = torch.ones(HEADS * GROUP, D) + 0.1 * torch.randn(HEADS * GROUP, D, generator=torch.Generator().manual_seed(4))
     _check(q, DecodeSegments(mid=mid), 0.125, threads)
     exact = (torch.randn(HEADS, 3, D), torch.randn(HEADS, 3, D))
     _check(q, DecodeSegments(exact=exact, mid=mid), 0.125, threads)
-
-
-def _concat_mids(a, b):
-    """Two unprojected Mid segments' rows one after the other (b's pages after a's)."""
-    import dataclasses
-
-    pages = int(a.row_stat.max()) + 1
-    return dataclasses.replace(
-        a, k_rows=torch.cat([a.k_rows, b.k_rows]), k_scale=torch.cat([a.k_scale, b.k_scale]),
-        k_offset=torch.cat([a.k_offset, b.k_offset]), v_rows=torch.cat([a.v_rows, b.v_rows]),
-        v_scale=torch.cat([a.v_scale, b.v_scale]), v_offset=torch.cat([a.v_offset, b.v_offset]),
-        row_stat=torch.cat([a.row_stat, b.row_stat + pages]))

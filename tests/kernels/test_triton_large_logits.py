@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from triton_interpreter import fresh_interpreter_run, in_process  # before anything imports triton
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -23,7 +21,7 @@ from kvtopo.kernels.decode_reference import explicit_kv, reference_decode
 from kvtopo.kernels.quant import quantize
 
 from decode_bound import error_bound
-from segments import unprojected_mid
+from segments import concat_mids, unprojected_mid
 
 test_in_fresh_interpreter_process = fresh_interpreter_run(__file__)
 
@@ -55,16 +53,6 @@ def _segments(shift: float, seed: int, recent_pages: int = 3, mid_rows=(8, 3, 8,
                           recent=RecentCodes.from_pages(pages, 8), mid=mid)
 
 
-def _concat_mids(a, b):
-    """Two unprojected Mid segments' rows one after the other (b's pages after a's)."""
-    pages = int(a.row_stat.max()) + 1
-    return dataclasses.replace(
-        a, k_rows=torch.cat([a.k_rows, b.k_rows]), k_scale=torch.cat([a.k_scale, b.k_scale]),
-        k_offset=torch.cat([a.k_offset, b.k_offset]), v_rows=torch.cat([a.v_rows, b.v_rows]),
-        v_scale=torch.cat([a.v_scale, b.v_scale]), v_offset=torch.cat([a.v_offset, b.v_offset]),
-        row_stat=torch.cat([a.row_stat, b.row_stat + pages]))
-
-
 @in_process
 @pytest.mark.parametrize("splits", [None, 2])
 def test_every_logit_far_below_exp_underflow(splits, monkeypatch):
@@ -91,7 +79,7 @@ def test_later_blocks_far_below_the_first(kind, monkeypatch):
     elif kind == "recent":
         segs = DecodeSegments(recent=RecentCodes.concat([high.recent, low.recent]))
     else:
-        segs = DecodeSegments(mid=_concat_mids(high.mid, low.mid))
+        segs = DecodeSegments(mid=concat_mids(high.mid, low.mid))
     q = torch.ones(HEADS * GROUP, D) + 0.1 * torch.randn(HEADS * GROUP, D, generator=torch.Generator().manual_seed(4))
     logits = 0.125 * q.double().reshape(HEADS, GROUP, D) @ explicit_kv(segs)[0].transpose(1, 2)
     assert logits[..., :16].min() > logits[..., 16:].max() + 90  # the first block far above the rest

@@ -24,7 +24,8 @@ from kvtopo.serving import continuous_batching
 from kvtopo.serving.continuous_batching import KvtopoBatchingManager, generate_batch, ledger_blocks, \
     page_ownership_errors
 
-from test_continuous_batching import GREEDY, _engine, _prompts, _reference, _run_stream
+from test_continuous_batching import GREEDY, _engine, _prompts, _reference, _run_stream, kept_per_page_at_release, \
+    session_with_full_pools
 
 TOKEN_BYTES = 512  # zoo llama: 2 layers x (k + v) x 2 kv-heads x 16 dims x float32
 
@@ -79,21 +80,9 @@ def test_one_token_prompt_chunks_are_prompt_chunks(monkeypatch):
     config = Config(page_size=16, sink_tokens=16, recent_tokens=32)
 
     def kept_per_page(batch_tokens):
-        session = Session(config)
-        kept, told, release, attend = {}, [], session.release, session.attend_sequence
-
-        def snapshot_then_release(seq):
-            kept.update({name: [page.kept for page in layer.stored_state(seq).pages]
-                         for name, layer in session.layers.items()})
-            release(seq)
-
-        session.release = snapshot_then_release
-        session.attend_sequence = lambda *a, prompt_end=0, **kw: told.append(prompt_end) or attend(
-            *a, prompt_end=prompt_end, **kw)
-        generate_batch(zoo.build("llama"), prompt, config, max_new_tokens=1, generation_config=GREEDY,
-                       continuous_batching_config=_engine(num_blocks=64, page_size=16, max_batch_tokens=batch_tokens),
-                       session=session)
-        return kept, told
+        told = []
+        engine = _engine(num_blocks=64, page_size=16, max_batch_tokens=batch_tokens)
+        return kept_per_page_at_release(prompt, config, engine, told), told
 
     whole, _ = kept_per_page(256)
     assert any(k is not None and k < 16 for k in whole["0"]), whole  # Mid pages were evicted in part
@@ -172,13 +161,7 @@ def test_growth_steps_at_reservation_share_what_the_budget_leaves_between_layers
     add one spare slot, not three."""
     from types import SimpleNamespace
 
-    session = Session(Config.lossless(page_size=4))
-    kv = lambda: torch.randn(2, 4, 16)  # noqa: E731  one page of the zoo llama's 2 kv-heads x 16 dims
-    with session:
-        full = lambda c: c.pool.capacity >= 64 and c.pool.capacity == c.pool.live_pages  # noqa: E731
-        while len(session.layers) < 2 or not all(full(c) for c in session.layers.values()):
-            for layer in ("0", "1"):
-                session.attend_sequence(layer, 0, torch.randn(4, 4, 16), kv(), kv(), 0.25)
+    session = session_with_full_pools()
     page = session.layers["0"].pool.page_nbytes
     held = session.stats().total_bytes
     reserved = 2 * (page + 4)  # one page and its block-table entry in each layer, admitted for the forward

@@ -194,6 +194,25 @@ def _run_stream(manager, prompts, new_tokens, session=None, budget=None):
     return peak, outputs
 
 
+def kept_per_page_at_release(prompt, config, engine, told: list) -> dict:
+    """Each layer's kept tokens per page of `prompt`'s sequence, taken as the engine releases it
+    after one generated token under `engine`; each attend's `prompt_end` is appended to `told`."""
+    session = Session(config)
+    kept, release, attend = {}, session.release, session.attend_sequence
+
+    def snapshot_then_release(seq):
+        kept.update({name: [page.kept for page in layer.stored_state(seq).pages]
+                     for name, layer in session.layers.items()})
+        release(seq)
+
+    session.release = snapshot_then_release
+    session.attend_sequence = lambda *a, prompt_end=0, **kw: told.append(prompt_end) or attend(
+        *a, prompt_end=prompt_end, **kw)
+    generate_batch(zoo.build("llama"), prompt, config, max_new_tokens=1, generation_config=GREEDY,
+                   continuous_batching_config=engine, session=session)
+    return kept
+
+
 def test_a_prompt_the_engine_splits_waits_for_its_end_as_one_chunk(monkeypatch):
     """The engine splits a 600-token prompt into forwards of 64 tokens; each chunk is told where
     the prompt ends, so its pages wait in Recent and are ranked at the end, keeping per page what
@@ -207,21 +226,7 @@ def test_a_prompt_the_engine_splits_waits_for_its_end_as_one_chunk(monkeypatch):
     told = []
 
     def kept_per_page(config, batch_tokens):
-        session = Session(config)
-        kept, release, attend = {}, session.release, session.attend_sequence
-
-        def snapshot_then_release(seq):
-            kept.update({name: [page.kept for page in layer.stored_state(seq).pages]
-                         for name, layer in session.layers.items()})
-            release(seq)
-
-        session.release = snapshot_then_release
-        session.attend_sequence = lambda *a, prompt_end=0, **kw: told.append(prompt_end) or attend(
-            *a, prompt_end=prompt_end, **kw)
-        generate_batch(zoo.build("llama"), prompt, config, max_new_tokens=1, generation_config=GREEDY,
-                       continuous_batching_config=_engine(num_blocks=64, max_batch_tokens=batch_tokens),
-                       session=session)
-        return kept
+        return kept_per_page_at_release(prompt, config, _engine(num_blocks=64, max_batch_tokens=batch_tokens), told)
 
     config = Config(recent_tokens=64)
     whole = kept_per_page(config, 1024)
@@ -354,17 +359,25 @@ def test_refuses_other_engine_features(monkeypatch):
         generate_batch(model, [[1, 2, 3]], Config.lossless(), max_new_tokens=2, generation_config=GREEDY)
 
 
-def test_a_decode_that_opens_a_page_is_charged_one_page_not_a_growth_step():
-    """Byte admission charges a full pool one page per layer for the next page (the cache reserves
-    exactly that slot), where the pool's own step would add an eighth of its capacity."""
-    model_config = zoo.build("llama").config
+def session_with_full_pools() -> Session:
+    """A lossless session of 4-token pages whose two layers (the zoo llama's 2 kv-heads x 16 dims)
+    hold one sequence filling pools of 64 slots or more: the next page makes each pool grow."""
     session = Session(Config.lossless(page_size=4))
-    kv = lambda: torch.randn(2, 4, 16)  # noqa: E731  one page of the zoo llama's 2 kv-heads x 16 dims
+    kv = lambda: torch.randn(2, 4, 16)  # noqa: E731  one page
     with session:
         full = lambda c: c.pool.capacity >= 64 and c.pool.capacity == c.pool.live_pages  # noqa: E731
         while len(session.layers) < 2 or not all(full(c) for c in session.layers.values()):
             for layer in ("0", "1"):
                 session.attend_sequence(layer, 0, torch.randn(4, 4, 16), kv(), kv(), 0.25)
+    return session
+
+
+def test_a_decode_that_opens_a_page_is_charged_one_page_not_a_growth_step():
+    """Byte admission charges a full pool one page per layer for the next page (the cache reserves
+    exactly that slot), where the pool's own step would add an eighth of its capacity."""
+    model_config = zoo.build("llama").config
+    session = session_with_full_pools()
+    with session:
         growth = continuous_batching._Growth(session, model_config, torch.float32)
         length = session.layers["0"].length(0)
         page = session.layers["0"].pool.page_nbytes
