@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from machine import describe_machine
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("hf", "lossless", "kvtopo")
 MODELS = ("llama", "llama-8layer", "smollm2")  # zoo models and the real model (models/pretrained.py)
@@ -291,7 +293,8 @@ def main() -> None:
     args.out.write_text(json.dumps({"rows": rows, "threads": args.threads, "rounds": args.rounds, "model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else f"{args.model} zoo",
                                     "dtype": args.dtype if args.model == "smollm2" else "float32", "reps": args.reps,
                                     "load_avg_before": [round(x, 2) for x in load_before],
-                                    "load_avg_after": [round(x, 2) for x in os.getloadavg()]}, indent=1))
+                                    "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+                                    "machine": describe_machine()}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from machine import describe_machine
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("kvtopo", "kvtopo-lossless", "engine")
 
@@ -148,7 +150,7 @@ def main(argv=None) -> dict:
     report = dict(meta=dict(command=" ".join(["bench/served_memory.py", *forwarded]), model=args.model,
                             dtype=args.dtype, prompts=args.prompts, prompt_tokens=args.prompt_tokens,
                             new_tokens=args.new_tokens, max_batch_tokens=args.max_batch_tokens, threads=args.threads,
-                            torch=torch.__version__, **code_state()),
+                            machine=describe_machine(), **code_state()),
                   rows=rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

@@ -2,6 +2,7 @@
 against the float64 reference, and a revision git does not know is refused by name."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,7 @@ def test_both_builds_are_timed_and_checked(tmp_path, layer, heads):
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
+    assert result["machine"]["cpus"] == os.cpu_count()
     assert (result["layer"]["q_heads"], result["layer"]["kv_heads"], result["layer"]["head_dim"]) == heads
     assert result["builds"]["base"]["revision"] == "HEAD" and result["builds"]["candidate"]["commit"] == "WORKTREE"
     source_diff = subprocess.run(["git", "diff", "HEAD", "--", "kernels/csrc/mid_decode.cpp"], capture_output=True,

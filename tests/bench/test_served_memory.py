@@ -2,6 +2,7 @@
 writes (the engine's own cache is left out here: it sizes itself to most of the machine's memory)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,5 +22,6 @@ def test_each_mode_reports_its_own_process_and_bad_sizes_are_refused(tmp_path):
         assert r["generated_tokens"] == 6 and r["kv_peak_mb"] > 0
         assert r["serving_peak_rss_mb"] >= r["rss_before_mb"] > 0 and r["process_peak_rss_mb"] > 0
     assert report["meta"]["prompts"] == 2 and len(report["meta"]["commit"]) == 40
+    assert report["meta"]["machine"]["cpus"] == os.cpu_count()
     bad = subprocess.run([sys.executable, str(SCRIPT), "--prompts", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--prompts" in bad.stderr
