@@ -40,7 +40,14 @@ class Agreement:
         gap, however wrong the runtime), so it is never excused."""
         return self.error_before_parting is not None and self.tie_gap <= 2 * self.error_before_parting
 
-    def describe(self) -> str:
+    def passes(self, max_logit_error: float) -> bool:
+        """A smoke run's verdict: the session's tokens (or a parting at a near-tie) and logits within
+        `max_logit_error` of the session's. Tokens alone pass a runtime whose logits are far off
+        wherever its argmax still agrees over a short run."""
+        return (self.same_tokens or self.parted_at_a_tie) and self.max_logit_error <= max_logit_error
+
+    def describe(self, max_logit_error: float | None = None) -> str:
+        """One line: the tokens' verdict, the logit error (flagged when above `max_logit_error`), the KV bytes."""
         if self.same_tokens:
             verdict = "same tokens"
         elif self.parted_at_a_tie:
@@ -48,8 +55,11 @@ class Agreement:
                        f"{self.tie_gap:.1e} apart (a near-tie; later tokens not compared)")
         else:
             verdict = "TOKENS DIFFER"
-        return (f"{self.runtime}: {verdict} as the PyTorch session over {self.new_tokens} new tokens, logits within "
-                f"{self.max_logit_error:.1e}, KV bytes {self.bytes_held} (session {self.session_bytes})")
+        logits = f"logits within {self.max_logit_error:.1e}"
+        if max_logit_error is not None and self.max_logit_error > max_logit_error:
+            logits = f"LOGITS OFF by {self.max_logit_error:.1e}, above the bound {max_logit_error:.1e}"
+        return (f"{self.runtime}: {verdict} as the PyTorch session over {self.new_tokens} new tokens, {logits}, "
+                f"KV bytes {self.bytes_held} (session {self.session_bytes})")
 
 
 def agreement(runtime: str, runner, tokens: list[int], logits: np.ndarray, reference) -> Agreement:

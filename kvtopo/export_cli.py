@@ -7,7 +7,8 @@ refused attention, a sliding window, a hybrid) is a usage error: its reason, exi
 
 `--target` compiles the export for a runtime of this machine and smoke-runs it: a prompt and a few
 greedy steps through HostRunner on that runtime and through the PyTorch session; the exit status
-is 1 when the tokens differ. The prompt is prose from models/real_tasks.py when the model comes
+is 1 when the tokens differ (other than at a near-tie, export/check.py) or a logit differs by more
+than --max-logit-error. The prompt is prose from models/real_tasks.py when the model comes
 with a tokenizer, random token ids otherwise; by default just long enough that a page reaches Mid
 under the config (so the compressor runs), where --max-context allows: a run that reaches no Mid
 page says so. --smoke-prompt and --smoke-tokens are usage errors without --target. onnx:
@@ -60,12 +61,20 @@ def add_export(subparsers) -> None:
                    help="prompt tokens of the smoke run, with --target (default: the fewest after which a page is "
                         "Mid under --config, so that the compressor runs: sink + Recent + Terminal pages and one "
                         "token more, 321 for Config(); at most --max-context minus --smoke-tokens)")
+    p.add_argument("--max-logit-error", type=float, default=None, metavar="E",
+                   help="the largest logit difference from the PyTorch session the smoke run accepts, with --target "
+                        f"(default: {MAX_LOGIT_ERROR})")
     p.set_defaults(run=_run_export)
 
 
 TARGET_FORMAT = {"onnxruntime": "onnx", "openvino": "onnx", "iree": "mlir"}
 PRETRAINED = "smollm2"
 SMOKE_TOKENS = 8
+# The smoke run's default bound on |runtime - session| logits: float32 runtimes differ from PyTorch
+# by summation order, up to 1.5e-2 measured (SmolLM2 on onnxruntime and OpenVINO,
+# tests/export/test_smollm2_export.py and docs/measurements.md; zoo models 1e-4 to 1e-2), while a runtime that drops or misreads part of the cache is off by
+# whole logits. A larger model may need a larger bound: --max-logit-error.
+MAX_LOGIT_ERROR = 0.1
 
 
 def load_model(spec: str):
@@ -96,9 +105,10 @@ def _run_export(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-context {args.max_context} is invalid: an int >= 1 (tokens)")
     if args.target is not None and TARGET_FORMAT[args.target] != args.format:
         raise UsageError(f"--target {args.target} runs {TARGET_FORMAT[args.target]} exports, not {args.format}")
-    if args.target is None and (args.smoke_tokens is not None or args.smoke_prompt is not None):
-        given = " and ".join(option for option, value in (("--smoke-tokens", args.smoke_tokens),
-                                                          ("--smoke-prompt", args.smoke_prompt)) if value is not None)
+    smoke_options = (("--smoke-tokens", args.smoke_tokens), ("--smoke-prompt", args.smoke_prompt),
+                     ("--max-logit-error", args.max_logit_error))
+    if args.target is None and any(value is not None for _, value in smoke_options):
+        given = " and ".join(option for option, value in smoke_options if value is not None)
         raise UsageError(f"{given} without --target: they set the smoke run, which only --target does")
     max_context = args.max_context or (DEFAULT_MAX_CONTEXT if args.format == "onnx" else DEFAULT_MLIR_MAX_CONTEXT)
     config = parse_config(args.config)
@@ -131,7 +141,7 @@ def _run_export(args: argparse.Namespace) -> int:
     if args.target is None:
         return 0
     return _smoke_run(model, args.out, args.target, prompt_ids(model, tokenizer, args.smoke_prompt),
-                      args.smoke_tokens, mid_after)
+                      args.smoke_tokens, mid_after, args.max_logit_error)
 
 
 def tokens_to_mid(config, max_context: int) -> int | None:
@@ -154,6 +164,10 @@ def _check_smoke(args: argparse.Namespace, max_context: int, mid_after: int | No
         args.smoke_prompt = max(1, min(mid_after or max_context, max_context - args.smoke_tokens))
     if not 1 <= args.smoke_prompt < max_context:
         raise UsageError(f"--smoke-prompt {args.smoke_prompt} is invalid: 1 .. max context {max_context} - 1")
+    if args.max_logit_error is None:
+        args.max_logit_error = MAX_LOGIT_ERROR
+    if not args.max_logit_error > 0:  # also refuses nan
+        raise UsageError(f"--max-logit-error {args.max_logit_error} is invalid: a number > 0 (logit units)")
     if not 1 <= args.smoke_tokens <= max_context - args.smoke_prompt:
         raise UsageError(f"--smoke-tokens {args.smoke_tokens} is invalid: 1 .. max context {max_context} - "
                          f"the {args.smoke_prompt}-token prompt")
@@ -184,13 +198,14 @@ def prompt_ids(model, tokenizer, tokens: int, seed: int = 0):
     return ids[:, :tokens]
 
 
-def _smoke_run(model, out_dir, runtime: str, input_ids, new_tokens: int, mid_after: int | None) -> int:
+def _smoke_run(model, out_dir, runtime: str, input_ids, new_tokens: int, mid_after: int | None,
+               max_logit_error: float) -> int:
     from kvtopo.export.check import compare_with_session
 
     (agreement,) = compare_with_session(model, out_dir, [runtime], input_ids, new_tokens)
-    print(agreement.describe())
+    print(agreement.describe(max_logit_error))
     if not any(page.phase.value == "mid" for layer in agreement.runner.layers for page in layer.pages):
         needed = "more than --max-context" if mid_after is None else mid_after
         print(f"note: the smoke run's {input_ids.shape[1]} + {new_tokens} tokens reached no Mid page (this config "
               f"needs {needed} tokens), so the compressor never ran: only exact and Recent attention were compared")
-    return 0 if agreement.same_tokens or agreement.parted_at_a_tie else 1
+    return 0 if agreement.passes(max_logit_error) else 1

@@ -55,6 +55,29 @@ def test_the_cli_smoke_run_fails_when_the_runtime_parts_off_a_near_tie(factor, c
     tokens, runtime, reference = _parting_run(factor * ERROR)
     monkeypatch.setattr(check, "compare_with_session",
                         lambda *args: [agreement("onnxruntime", _Runner(), tokens, runtime, reference)])
-    assert export_cli._smoke_run(None, "unused", "onnxruntime", torch.tensor([[7]]), 3, None) == code
+    assert export_cli._smoke_run(None, "unused", "onnxruntime", torch.tensor([[7]]), 3, None,
+                                 export_cli.MAX_LOGIT_ERROR) == code
     out = capsys.readouterr().out
     assert ("TOKENS DIFFER" in out) is bool(code) and ("near-tie" in out) is not bool(code)
+
+
+@pytest.mark.parametrize("offset,bound,code", [(0.5, 0.1, 1), (0.05, 0.1, 0), (0.5, 1.0, 0)])
+def test_the_cli_smoke_run_fails_when_the_logits_are_off_though_the_tokens_agree(offset, bound, code, monkeypatch,
+                                                                                 capsys):
+    """Same greedy tokens, logits `offset` from the session's on one row: exit 1 above the bound
+    (the runtime computes something else where its argmax happens to agree), 0 within it."""
+    import torch
+
+    from kvtopo import export_cli
+    from kvtopo.export import check
+
+    session = np.zeros((3, 5), dtype=np.float32)
+    session[:, 1] = 2.0
+    runtime = session.copy()
+    runtime[2, 3] += offset
+    tokens = [7, 1, 1, 1]
+    monkeypatch.setattr(check, "compare_with_session",
+                        lambda *args: [agreement("onnxruntime", _Runner(), tokens, runtime, (tokens, session, 100))])
+    assert export_cli._smoke_run(None, "unused", "onnxruntime", torch.tensor([[7]]), 3, None, bound) == code
+    out = capsys.readouterr().out
+    assert "same tokens" in out and ("LOGITS OFF by 5.0e-01" in out) is bool(code), out

@@ -123,12 +123,20 @@ def test_default_smoke_prompt_reaches_mid(tmp_path, capsys, monkeypatch):
     assert kept and all(k > 0 for k in kept), kept
 
 
-@pytest.mark.parametrize("extra", [["--smoke-tokens", "4"], ["--smoke-prompt", "16"]])
+@pytest.mark.parametrize("extra", [["--smoke-tokens", "4"], ["--smoke-prompt", "16"], ["--max-logit-error", "0.5"]])
 def test_smoke_options_need_target(tmp_path, capsys, monkeypatch, extra):
     monkeypatch.setattr("kvtopo.export_cli.load_model", lambda spec: pytest.fail("loaded the model"))
     err = _usage_error(["export", "onnx", "llama", "--out", str(tmp_path / "out"), *extra], capsys)
     assert f"{extra[0]} without --target" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("bound", ["0", "-1", "nan"])
+def test_a_logit_bound_that_accepts_nothing_is_refused(tmp_path, capsys, monkeypatch, bound):
+    monkeypatch.setattr("kvtopo.export_cli.load_model", lambda spec: pytest.fail("loaded the model"))
+    err = _usage_error(["export", "onnx", "llama", "--out", str(tmp_path / "out"), "--target", "onnxruntime",
+                        "--max-logit-error", bound], capsys)
+    assert f"--max-logit-error {float(bound)} is invalid" in err, err
 
 
 def _write_tiny_gguf(path, vocab=300, hidden=64, ffn=128, layers=2, heads=4, kv_heads=2) -> dict:
