@@ -321,27 +321,38 @@ def serve_kvtopo(model, config, prompts, max_new, eos, batch_tokens) -> tuple[li
     return answers, memory
 
 
+def full_continuation(model, prefix: list[int]) -> tuple[list[int], torch.Tensor]:
+    """The full cache's FIDELITY_TOKENS greedy tokens after `prefix`, and its logits [new, V]: what
+    every compressed configuration is forced along and compared with."""
+    full = config_of(dict(policy="full", overrides=dict(target_ratio=None)))
+    with torch.no_grad():
+        out, ref = kvtopo.generate(model, torch.tensor([prefix]), FIDELITY_TOKENS, config=full,
+                                   eos_token_id=None, return_logits=True, progress=False)
+    return out[0, len(prefix):].tolist(), ref[0]
+
+
+def compressed_logits(model, config, prefix: list[int], forced: list[int]):
+    """(logits [len(forced), V], the session's stats) of `config`'s session forced along `forced` after `prefix`."""
+    with kvtopo.session(config) as s, torch.no_grad():
+        logits = forced_logits(SessionForward(model, s), prefix, forced)
+        return logits, s.stats()
+
+
 def kvtopo_fidelity(model, plans, prompts, lengths, seeds, bar) -> list[dict]:
     """KL and greedy agreement of every compressed configuration against the full cache's
     continuation of prose; also one "(request)" row per text (prefix and forced ids, for kvpress)."""
     rows = []
-    full = config_of(dict(policy="full", overrides=dict(target_ratio=None)))
     for length in lengths:
         for seed in seeds:
             prefix = prompts.text_window(seed, length)
-            with torch.no_grad():
-                out, ref = kvtopo.generate(model, torch.tensor([prefix]), FIDELITY_TOKENS, config=full,
-                                           eos_token_id=None, return_logits=True, progress=False)
-            forced = out[0, len(prefix):].tolist()
+            forced, ref = full_continuation(model, prefix)
             for plan in plans[length]:
                 if plan["policy"] == "full":
                     continue  # the reference itself
-                with kvtopo.session(config_of(plan)) as s, torch.no_grad():
-                    logits = forced_logits(SessionForward(model, s), prefix, forced)
-                    st = s.stats()
+                logits, st = compressed_logits(model, config_of(plan), prefix, forced)
                 held = [h[0] for h in st.held_tokens.values()]
                 rows.append(dict(system="kvtopo", method=plan["policy"], nominal=plan["nominal"], length=length,
-                                 seed=seed, kl=float(quality.kl_rows(ref[0], logits).mean()),
+                                 seed=seed, kl=float(quality.kl_rows(ref, logits).mean()),
                                  agree=float((logits.argmax(-1) == torch.tensor(forced)).float().mean()),
                                  ratio=st.ratio_vs_fp16, kept=sum(held) / (len(held) * st.tokens[0])))
                 bar.update(1)
