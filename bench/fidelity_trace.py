@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    RQ.use_windows(RQ.parse_args(["--presses"]))  # real_quality's windows (its defaults)
+    RQ.use_windows(RQ.parse_args([]))  # real_quality's default windows
 
     import kvtopo
     from kvtopo.models.pretrained import smollm2
@@ -82,9 +82,8 @@ def main(argv=None) -> dict:
     kvtopo.compile(model, inductor=False)
     prefix = RQ.Prompts(tokenizer).text_window(args.seed, args.length)
     forced, reference = RQ.full_continuation(model, prefix)
-    overrides = dict(target_ratio=args.ratio)
-    logits, stats = RQ.compressed_logits(model, RQ.config_of(dict(policy=args.policy, overrides=overrides)),
-                                         prefix, forced)
+    config = RQ.config_of(dict(policy=args.policy, overrides=dict(target_ratio=args.ratio)))
+    logits, stats = RQ.compressed_logits(model, config, prefix, forced)
     kl = quality.kl_rows(reference, logits)
     agree = logits.argmax(-1) == torch.tensor(forced)
     tokens = [dict(index=i, text=tokenizer.decode([t]), kl=float(kl[i]), agree=bool(agree[i]), recital_run=k,
