@@ -70,6 +70,30 @@ def turns_of(ids: list[int], question_at: int, setting: str) -> list[list[list[i
     raise ValueError(f"unknown setting {setting!r}; expected one of {SETTINGS}")
 
 
+def rescore(path: Path) -> list[dict]:
+    """Judge the answers stored in `path` again with the rules' current checks (for a check fixed
+    after the run; the model is not run): each answer's `adheres`, each row's kept rules and
+    adherence, written back, and the rescoring noted in `meta.rescored`. Returns the answers whose
+    verdict changed, as they are now."""
+    report = json.loads(path.read_text())
+    changed = []
+    for answer in report["answers"]:
+        adheres = RULES[answer["rule"]].check(answer["answer"])
+        if adheres != answer["adheres"]:
+            answer["adheres"] = adheres
+            changed.append(answer)
+    for row in report["results"]:
+        run = [a for a in report["answers"]
+               if (a["setting"], a["policy"], a["protected"]) == (row["setting"], row["policy"], row["protected"])]
+        row["kept_per_rule"] = {rule: sum(a["adheres"] for a in run if a["rule"] == rule) for rule in row["kept_per_rule"]}
+        row["adherence"] = sum(row["kept_per_rule"].values()) / len(run)
+    if changed:
+        report["meta"].setdefault("rescored", []).append(dict(verdicts_changed=len(changed),
+                                                              rules=sorted({a["rule"] for a in changed})))
+    path.write_text(json.dumps(report, indent=1))
+    return changed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -81,7 +105,18 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=SETTINGS)
     parser.add_argument("--ratio", type=float, default=8.0)
     parser.add_argument("--out", type=Path, default=None, help="the JSON's path")
+    parser.add_argument("--rescore", nargs="+", type=Path, default=None, metavar="JSON",
+                        help="judge the answers stored in these JSONs again with the current rule checks and rewrite "
+                             "them (no model run)")
     args = parser.parse_args()
+    if args.rescore:
+        for path in args.rescore:
+            changed = rescore(path)
+            print(f"{path}: {len(changed)} verdicts changed")
+            for a in changed:
+                print(f"  {a['setting']} {a['policy']} {'protected' if a['protected'] else 'as is'} {a['rule']}: "
+                      f"{'kept' if a['adheres'] else 'broken'} by {a['answer']!r}")
+        return
     tokens = args.tokens or (1000 if args.quick else 2000)
     examples = args.examples or (1 if args.quick else 3)
     policies = args.policies or (["topo", "snapkv"] if args.quick else ["topo", "snapkv", "streaming", "h2o", "kivi"])

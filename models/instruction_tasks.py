@@ -62,8 +62,11 @@ RULES: dict[str, Rule] = {
     # (bench/instruction_adherence.py), but it does answer as the persona its system prompt gives it.
     "name": Rule(f"Your name is {NAME}.", lambda answer: re.search(rf"\b{NAME}\b", answer, re.I) is not None,
                  "What is your name?"),
+    # Half past nine in the spellings a model writes: "9:30", "9.30pm" (a letter right after the
+    # minutes), "09:30", "21:30", "half-past nine", "nine-thirty"; not "19:30" or "9:305".
     "closing_time": Rule("The reading room closes at half past nine.",
-                         lambda answer: re.search(r"half past nine|\b9[:.]30\b|nine[- ]thirty", answer, re.I) is not None,
+                         lambda answer: re.search(r"half[- ]past nine|\b(?:0?9|21)[:.]30(?!\d)|nine[- ]thirty", answer,
+                                                  re.I) is not None,
                          "When does the reading room close?"),
 }
 CITIES = ("Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Dublin", "Cairo", "Quito")
@@ -101,6 +104,7 @@ def make_instruction_example(rule: str, tokens: int, seed: int,
     rng = random.Random(f"{rule}-{seed}")
     doc = prose_run(rng, tokens, count_tokens)
     city, number = rng.choice(CITIES), str(rng.randrange(10**6, 10**7))
-    doc.insert(rng.randrange(1, len(doc)), f"The special magic number for {city} is {number}.")
+    # After the first paragraph; after the only one when the prose is a single paragraph.
+    doc.insert(rng.randrange(1, max(len(doc), 2)), f"The special magic number for {city} is {number}.")
     question = RULES[rule].question.replace(FACT_QUESTION, f"What is the special magic number for {city}?")
     return InstructionExample(rule, PERSONA + RULES[rule].sentence, "\n\n".join(doc), question, number)

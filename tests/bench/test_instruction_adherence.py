@@ -43,3 +43,28 @@ def test_rules_judge_the_answer_not_its_spelling(rule, answer, adheres):
     from kvtopo.models.instruction_tasks import RULES
 
     assert RULES[rule].check(answer) is adheres
+
+
+def test_rescoring_judges_stored_answers_again_and_recounts_the_rows(tmp_path):
+    """A run's JSON judged with an earlier check ("9:30pm" scored as breaking the closing-time
+    rule): rescoring flips that verdict, recounts its row and leaves the other run's alone."""
+    import json
+
+    def answer(policy, rule, text, adheres):
+        return dict(setting="aware", policy=policy, protected=False, rule=rule, adheres=adheres, answer=text)
+
+    answers = [answer("topo", "closing_time", "The reading room closes at 9:30pm.", False),
+               answer("topo", "name", "I am Emily.", False),
+               answer("full", "closing_time", "It closes at 9:30 pm.", True),
+               answer("full", "name", "My name is Zorbo.", True)]
+    rows = [dict(setting="aware", policy=p, protected=False, adherence=a, kept_per_rule={"closing_time": c, "name": n})
+            for p, a, c, n in (("topo", 0.0, 0, 0), ("full", 1.0, 1, 1))]
+    path = tmp_path / "adherence.json"
+    path.write_text(json.dumps(dict(meta={}, results=rows, answers=answers)))
+    changed = IA.rescore(path)
+    assert [(a["policy"], a["rule"], a["adheres"]) for a in changed] == [("topo", "closing_time", True)]
+    report = json.loads(path.read_text())
+    assert [(r["policy"], r["kept_per_rule"], r["adherence"]) for r in report["results"]] == [
+        ("topo", {"closing_time": 1, "name": 0}, 0.5), ("full", {"closing_time": 1, "name": 1}, 1.0)]
+    assert report["meta"]["rescored"] == [dict(verdicts_changed=1, rules=["closing_time"])]
+    assert IA.rescore(path) == [] and json.loads(path.read_text())["meta"]["rescored"] == report["meta"]["rescored"]

@@ -22,6 +22,30 @@ def test_rule_checks(rule, kept, broken):
     assert example.adheres(kept) and not example.adheres(broken)
 
 
+@pytest.mark.parametrize("answer", ["The reading room closes at 9:30pm.", "It closes at 9.30PM.", "Closing time: 21:30.",
+                                    "It closes at 09:30.", "At half-past nine.", "Nine-thirty in the evening."])
+def test_closing_time_takes_the_ways_half_past_nine_is_written(answer):
+    """A time glued to "pm" was scored as breaking the rule (stored answers "closes at 9:30pm." among them)."""
+    assert make_instruction_example("closing_time", 120, 0, words).adheres(answer)
+
+
+@pytest.mark.parametrize("answer", ["It closes at 19:30.", "It closes at 9:305.", "It closes at 9:15pm, not at nine."])
+def test_closing_time_refuses_other_times(answer):
+    assert not make_instruction_example("closing_time", 120, 0, words).adheres(answer)
+
+
+def test_a_one_paragraph_document_still_holds_the_fact():
+    """Prose shorter than one paragraph break: the fact goes after it (randrange(1, 1) raised before)."""
+    fact_last = 0
+    for seed in range(40):
+        example = make_instruction_example("name", 60, seed, words)
+        paragraphs = example.document.split("\n\n")
+        at = [i for i, p in enumerate(paragraphs) if p.startswith("The special magic number for")]
+        assert len(at) == 1 and at[0] >= 1 and paragraphs[at[0]].endswith(f" is {example.number}."), seed
+        fact_last += len(paragraphs) == 2 and at == [1]
+    assert fact_last > 0  # some seeds' prose is one paragraph
+
+
 def test_uppercase_needs_letters():
     assert not make_instruction_example("uppercase", 120, 0, words).adheres("4821937.")
 
