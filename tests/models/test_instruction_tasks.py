@@ -1,4 +1,7 @@
-"""The instruction-adherence examples: rule checks on written answers, determinism, the fact inside."""
+"""The instruction-adherence examples: rule checks on written answers, determinism, the fact inside
+(the question asks about the document's fact, which sits at varied depths)."""
+
+import re
 
 import pytest
 
@@ -68,3 +71,45 @@ def test_examples_are_deterministic_and_hold_the_fact(rule):
 def test_unknown_rule_is_named():
     with pytest.raises(ValueError, match="unknown rule 'polite'"):
         make_instruction_example("polite", 100, 0, words)
+
+
+@pytest.mark.parametrize("rule, answer, adheres", [
+    ("prefix", "Answer: 4821937", True),
+    ("prefix", "Answer 4821937", False),           # the colon is part of the word asked for
+    ("prefix", "Answers vary: 4821937", False),
+    ("end_word", "4821937 DONE", True),
+    ("end_word", "4821937. DONE!", True),
+    ("end_word", "DONE. The number is 4821937.", False),   # DONE must end the answer
+    ("end_word", "DONE 4821937", False),
+    ("closing_time", "It closes at 9:30.", True),
+    ("closing_time", "It closes at half past nine.", True),
+    ("name", f"I AM {NAME.upper()}.", True),               # the name in capitals is still the name
+    ("name", f"my name is {NAME.lower()}", True),
+    ("name", f"I am {NAME}bot.", False),
+    ("uppercase", "IT IS 4821937.", True),
+    ("uppercase", "IT IS 4821937, done.", False),
+])
+def test_rule_on_hand_written_answers(rule, answer, adheres):
+    assert RULES[rule].check(answer) is adheres
+
+
+@pytest.mark.parametrize("rule", tuple(RULES))
+def test_question_asks_about_the_city_of_the_fact(rule):
+    for seed in range(6):
+        ex = make_instruction_example(rule, 300, seed, words)
+        facts = re.findall(r"The special magic number for (\w+) is (\d{7})\.", ex.document)
+        assert len(facts) == 1 and facts[0][1] == ex.number
+        if ex.asks_fact:
+            assert f"What is the special magic number for {facts[0][0]}?" in ex.question
+
+
+def test_fact_depth_varies_and_is_inside_the_document():
+    depths = []
+    for seed in range(30):
+        ex = make_instruction_example("prefix", 400, seed, words)
+        paragraphs = ex.document.split("\n\n")
+        index = next(i for i, p in enumerate(paragraphs) if p.startswith("The special magic number for "))
+        assert 0 < index < len(paragraphs) - 1 or len(paragraphs) == 2
+        depths.append(index / (len(paragraphs) - 1))
+    assert min(depths) < 0.5 < max(depths)
+    assert len({round(d, 2) for d in depths}) >= 5
