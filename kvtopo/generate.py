@@ -164,7 +164,7 @@ def generate(
                 break
             last_pos = last_pos + 1
             logits = forward(token[:, None], last_pos[:, None], all_valid)
-        out = torch.cat([input_ids, torch.stack(tokens, dim=1).to(input_ids.dtype)], dim=1)
+        out = torch.cat([input_ids.long(), torch.stack(tokens, dim=1).long()], dim=1)  # int64 as HF's, whatever came in
         if isinstance(forward, _SessionForward):  # what the stores hold, for an HF generate continuing them
             hf_cache.record_fed(next(iter(session.model_layers(model)), None), session, out)
     return (out, torch.stack(step_logits, dim=1)) if return_logits else out
