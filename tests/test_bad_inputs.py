@@ -12,6 +12,8 @@ import kvtopo
 from kvtopo.compiled import compiled_backend
 from kvtopo.models import zoo
 
+from forward_counting import Counting
+
 try:
     from kvtopo import export as kx
 except ImportError:  # running from the source tree without the package installed
@@ -107,26 +109,6 @@ def test_numpy_numbers_are_taken_as_python_ones():
 
 
 # -- generate ------------------------------------------------------------------------------------
-class Counting(torch.nn.Module):
-    """A model wrapper that counts forwards (the wrapped model is the compiled one)."""
-
-    def __init__(self, inner: torch.nn.Module):
-        super().__init__()
-        self.inner = inner
-        self.calls = 0
-
-    def forward(self, **kwargs):
-        self.calls += 1
-        return self.inner(**kwargs)
-
-    def get_input_embeddings(self):
-        return self.inner.get_input_embeddings()
-
-    @property
-    def generation_config(self):
-        return self.inner.generation_config
-
-
 @pytest.fixture(scope="module")
 def compiled():
     return kvtopo.compile(zoo.build("llama"), inductor=False)

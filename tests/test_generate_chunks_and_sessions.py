@@ -7,25 +7,7 @@ import torch
 import kvtopo
 from kvtopo.models import zoo
 
-
-class Counting(torch.nn.Module):
-    """Counts forwards of the wrapped (compiled) model and the prompt tokens each one sees."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.widths = []
-
-    def forward(self, **kwargs):
-        self.widths.append(kwargs["input_ids"].shape[1])
-        return self.inner(**kwargs)
-
-    def get_input_embeddings(self):
-        return self.inner.get_input_embeddings()
-
-    @property
-    def generation_config(self):
-        return self.inner.generation_config
+from forward_counting import Counting
 
 
 @pytest.fixture(scope="module")
