@@ -11,9 +11,9 @@ is 1 when the tokens differ (other than at a near-tie, export/check.py) or a log
 than --max-logit-error. The prompt is prose from models/real_tasks.py when the model comes
 with a tokenizer, random token ids otherwise; by default just long enough that a page reaches Mid
 under the config (so the compressor runs), where --max-context allows: a run that reaches no Mid
-page says so. --smoke-prompt and --smoke-tokens are usage errors without --target. onnx:
-onnxruntime or openvino; mlir: iree (the MLIR is then exported with a dynamic token count and
-compiled to .vmfb, export_iree).
+page says so. --smoke-prompt, --smoke-tokens and --max-logit-error are usage errors without
+--target. onnx: onnxruntime or openvino; mlir: iree (the MLIR is then exported with a dynamic
+token count and compiled to .vmfb, export_iree).
 
 `--profile npu` exports fully static graphs with float16 at their boundaries (batch 1, one token
 per decode-step call, the cache capacities of --max-context; export/layout.py); the smoke run then
@@ -72,8 +72,9 @@ PRETRAINED = "smollm2"
 SMOKE_TOKENS = 8
 # The smoke run's default bound on |runtime - session| logits: float32 runtimes differ from PyTorch
 # by summation order, up to 1.5e-2 measured (SmolLM2 on onnxruntime and OpenVINO,
-# tests/export/test_smollm2_export.py and docs/measurements.md; zoo models 1e-4 to 1e-2), while a runtime that drops or misreads part of the cache is off by
-# whole logits. A larger model may need a larger bound: --max-logit-error.
+# tests/export/test_smollm2_export.py, docs/measurements.md; zoo models 1e-4 to 1e-2), while a
+# runtime that drops or misreads part of the cache is off by whole logits. A larger model may need
+# a larger bound: --max-logit-error.
 MAX_LOGIT_ERROR = 0.1
 
 
