@@ -45,7 +45,7 @@ document is the longest run of sentences that keeps ``instruction + document + f
 within it. Needles sit between sentences at random depths.
 
 Scoring (``score``): the answer's kind says what to pull out of the generated text -- numbers
-(runs of 4+ digits), uuids, variable names (5 capital letters) or words of the question's closed
+(whole runs of 4+ digits, thousands separators read through), uuids, variable names (5 capital letters) or words of the question's closed
 list -- and the answer is right iff the set pulled out equals the expected set: a missing value,
 a wrong one, or a right one hedged with a wrong one all fail, while wording around the answer
 does not matter.
@@ -114,10 +114,14 @@ _CWE_EXCLUDED = {"three", "words", "common", "above", "answer", "appear", "appea
                  "frequently", "often", "times", "following", "listed", "numbered", "below", "these", "memorize"}
 
 _KINDS = ("number", "uuid", "varname", "words")
-_NUMBER = re.compile(r"\d{4,}")
-# Bounded: a uuid with extra hex digits on either side is another value, not this one.
-_UUID = re.compile(r"(?<![0-9a-f])[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}(?![0-9a-f])",
-                   re.IGNORECASE)
+# Whole runs of 4+ digits: the integer part of a decimal ("4821937.5") is another value, and so is
+# its fraction; a thousands separator ("4,821,937") is read through (`_THOUSANDS`).
+_NUMBER = re.compile(r"(?<!\d)(?<!\d\.)\d{4,}(?!\d|\.\d)")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+# Bounded: a uuid with extra hex digits, or another hyphenated hex group, on either side is another
+# value, not this one.
+_UUID = re.compile(r"(?<![0-9a-f])(?<![0-9a-f]-)[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+                   r"(?![0-9a-f]|-[0-9a-f])", re.IGNORECASE)
 _VARNAME = re.compile(r"\b[A-Z]{5}\b")
 _WORD = re.compile(r"[A-Za-z]+")
 
@@ -394,7 +398,7 @@ def has_number(number: str | int, text: str) -> bool:
 def extract(generated: str, question: Question) -> set[str]:
     """What `generated` answers, as a set of normalised values of the question's kind."""
     if question.kind == "number":
-        return set(_NUMBER.findall(generated))
+        return set(_NUMBER.findall(_THOUSANDS.sub("", generated)))
     if question.kind == "uuid":
         return {u.lower() for u in _UUID.findall(generated)}
     if question.kind == "varname":

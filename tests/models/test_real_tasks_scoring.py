@@ -22,6 +22,11 @@ CITY = R.Question("city?", ("Havana",), "words", 32, R.CITIES)
     ("482193", False),                     # a digit lost
     ("4821938", False),
     ("4821937 or 4821938", False),         # hedged
+    ("4,821,937", True),                   # thousands separators read through
+    ("It is 4,821,937.", True),
+    ("4821937.5", False),                  # a decimal is another value
+    ("0.4821937", False),
+    ("4821937.", True),                    # a full stop is not a decimal point
     ("", False),
     ("I don't know.", False),
 ])
@@ -36,6 +41,7 @@ def test_number(generated, right):
     ("4821937", False),                    # one missing
     ("4821937, 7730125, 1234567", False),  # one extra
     ("4821937, 77301250", False),
+    ("4821937,7730125", True),             # a list without spaces: not a thousands separator
 ])
 def test_two_numbers(generated, right):
     assert R.score(generated, TWO) is right
@@ -51,6 +57,9 @@ def test_two_numbers(generated, right):
     ("Fa9debaef-9860-4c2e-979e-dee12e139280", False),  # an added hex digit in upper case too
     ("a9debaef98604c2e979edee12e139280", False),
     ("a9debaef-9860-4c2e-979e-dee12e139281", False),
+    ("a9debaef-9860-4c2e-979e-dee12e139280-abcd", False),  # another hyphenated group: another value
+    ("ab12-a9debaef-9860-4c2e-979e-dee12e139280", False),
+    ("(a9debaef-9860-4c2e-979e-dee12e139280)", True),
 ])
 def test_uuid(generated, right):
     assert R.score(generated, UUID) is right
