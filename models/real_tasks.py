@@ -389,16 +389,21 @@ def make_example(task: str, length: int, seed: int, count_tokens: Callable[[str]
 
 
 # -- scoring ----------------------------------------------------------------------------------------
+def numbers(text: str) -> set[str]:
+    """The numbers of 4+ digits `text` names, read as `score` reads them (`_NUMBER`)."""
+    return set(_NUMBER.findall(_THOUSANDS.sub("", text)))
+
+
 def has_number(number: str | int, text: str) -> bool:
-    """`number` appears in `text` as itself, not inside a longer digit run (a compressed cache can
-    add a digit)."""
-    return re.search(rf"(?<!\d){number}(?!\d)", text) is not None
+    """`number` (4+ digits) appears in `text` as itself: not inside a longer digit run (a compressed
+    cache can add a digit), not as a decimal's integer part."""
+    return str(number) in numbers(text)
 
 
 def extract(generated: str, question: Question) -> set[str]:
     """What `generated` answers, as a set of normalised values of the question's kind."""
     if question.kind == "number":
-        return set(_NUMBER.findall(_THOUSANDS.sub("", generated)))
+        return numbers(generated)
     if question.kind == "uuid":
         return {u.lower() for u in _UUID.findall(generated)}
     if question.kind == "varname":

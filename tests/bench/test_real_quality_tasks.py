@@ -76,6 +76,7 @@ def test_the_scorer_accepts_the_right_answer_and_rejects_wrong_or_hedged_ones():
 def test_has_number_finds_the_number_itself_only():
     assert R.has_number(4821, "The code is 4821.") and R.has_number("4821", "4821")
     assert not R.has_number(4821, "The code is 14821.") and not R.has_number(4821, "48210")
+    assert R.has_number(4821937, "It is 4,821,937.") and not R.has_number(4821937, "It is 4821937.5")
 
 
 def _other(q: R.Question) -> str:
