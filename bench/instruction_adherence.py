@@ -70,6 +70,12 @@ def turns_of(ids: list[int], question_at: int, setting: str) -> list[list[list[i
     raise ValueError(f"unknown setting {setting!r}; expected one of {SETTINGS}")
 
 
+def kept_per_rule(run: list[dict], rules) -> dict[str, int]:
+    """How many answers of one run (setting, policy, protection) keep each rule; a row's adherence
+    is their sum over the run's answers."""
+    return {rule: sum(a["adheres"] for a in run if a["rule"] == rule) for rule in rules}
+
+
 def rescore(path: Path) -> list[dict]:
     """Judge the answers stored in `path` again with the rules' current checks (for a check fixed
     after the run; the model is not run): each answer's `adheres`, each row's kept rules and
@@ -85,7 +91,7 @@ def rescore(path: Path) -> list[dict]:
     for row in report["results"]:
         run = [a for a in report["answers"]
                if (a["setting"], a["policy"], a["protected"]) == (row["setting"], row["policy"], row["protected"])]
-        row["kept_per_rule"] = {rule: sum(a["adheres"] for a in run if a["rule"] == rule) for rule in row["kept_per_rule"]}
+        row["kept_per_rule"] = kept_per_rule(run, row["kept_per_rule"])
         row["adherence"] = sum(row["kept_per_rule"].values()) / len(run)
     if changed:
         report["meta"].setdefault("rescored", []).append(dict(verdicts_changed=len(changed),
@@ -139,7 +145,6 @@ def main() -> None:
     for setting in args.settings:
         for policy, protect in runs:
             start, ratios = time.perf_counter(), []
-            kept = {rule: 0 for rule in args.rules}
             recalled = asked = 0
             for example, ids, span, question_at in cases:
                 config = policy_config(policy, args.ratio)
@@ -151,12 +156,12 @@ def main() -> None:
                 answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
                 adheres = example.adheres(answer)
                 answered = example.answered(answer) if example.asks_fact else None
-                kept[example.rule] += adheres
                 asked += example.asks_fact
                 recalled += bool(answered)
                 answers.append(dict(setting=setting, policy=policy, protected=protect, rule=example.rule,
                                     number=example.number, prompt_tokens=len(ids), system_tokens=span,
                                     adheres=adheres, answered=answered, ratio=ratios[-1], answer=answer))
+            kept = kept_per_rule(answers[-len(cases):], args.rules)
             row = dict(setting=setting, policy=policy, protected=protect,
                        nominal=1.0 if policy == "full" else args.ratio,
                        adherence=sum(kept.values()) / len(cases), kept_per_rule=kept, examples_per_rule=examples,
