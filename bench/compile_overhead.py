@@ -32,7 +32,7 @@ import torch._inductor.config as inductor_config
 import kvtopo
 import kvtopo.backend
 from kvtopo.models import zoo
-from machine import describe_machine
+from machine import command_line, describe_machine
 
 MODEL = "llama-8layer"
 TARGET_SHARE = 0.05
@@ -119,6 +119,7 @@ def main(argv=None) -> dict:
         "meets_target": verdict,
         "modes": modes,
         "environment": {
+            "command": command_line(__file__, argv),
             "machine": describe_machine(),
             "torch_threads": torch.get_num_threads(),
             "note": "shared CPU machine: absolute compile times are noisy, the share is what matters",

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvtopo  # noqa: E402
 from decode_speed import grow_sequence, structured_kv  # noqa: E402
 from kernel_ab import LAYERS  # noqa: E402
-from machine import describe_machine  # noqa: E402
+from machine import command_line, describe_machine  # noqa: E402
 from kvtopo.kernels import cpu_decode  # noqa: E402
 from kvtopo.runtime.session import Session  # noqa: E402
 
@@ -179,6 +179,7 @@ def main() -> None:
         "path": "per_sequence" if args.per_sequence else "session",
         "load_before": load_before,
         "load_after": os.getloadavg(),
+        "command": command_line(__file__),
         "machine": describe_machine(),
         "rows": rows,
     }

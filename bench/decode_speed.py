@@ -74,6 +74,7 @@ after each length. Writes bench/results/decode_speed_batch.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -88,7 +89,7 @@ import kvtopo
 from kvtopo.kernels import cpu_decode, fast_decode
 from kvtopo.kernels.decode_reference import reference_decode
 from kvtopo.runtime import decode_view
-from machine import describe_machine
+from machine import command_line, describe_machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HQ, HKV, D = 32, 8, 128
@@ -202,11 +203,9 @@ def main() -> None:
     qg = q.reshape(1, HKV, HQ // HKV, D)
     c_kernel = cpu_decode.c_kernel_available()
     rows = []
-    sessions = {name: kvtopo.session(cfg) for name, cfg in CONFIGS.items()}
     held = {name: 0 for name in CONFIGS}
-    for s in sessions.values():
-        s.__enter__()
-    try:
+    with contextlib.ExitStack() as entered:  # sessions exit in the reverse order of entering
+        sessions = {name: entered.enter_context(kvtopo.session(cfg)) for name, cfg in CONFIGS.items()}
         for length in lengths:
             row = {"tokens": length}
             dense = torch.cat([keys[:, :length], k_new], 1)[None].contiguous()
@@ -252,9 +251,6 @@ def main() -> None:
             rows.append(row)
             print(format_row(row), flush=True)
             del dense, dense_v, dense16, dense16_v
-    finally:
-        for s in sessions.values():
-            s.__exit__(None, None, None)
 
     summary = summarize(rows)
     result = {
@@ -266,6 +262,7 @@ def main() -> None:
         "threads": args.threads,
         "reps": args.reps,
         "c_kernel": c_kernel,
+        "command": command_line(__file__),
         "machine": describe_machine(),
         "rows": rows,
         "summary": summary,
@@ -311,11 +308,9 @@ def batch_main(args) -> None:
     qg = q.reshape(n, HKV, HQ // HKV, D)
     src, dst = torch.randn(STREAM_FLOATS), torch.empty(STREAM_FLOATS)
     mat_a, mat_b = torch.randn(SGEMM_SIZE, SGEMM_SIZE), torch.randn(SGEMM_SIZE, SGEMM_SIZE)
-    sessions = {name: kvtopo.session(CONFIGS[name]) for name in names}
     rows, held = [], 0
-    for s in sessions.values():
-        s.__enter__()
-    try:
+    with contextlib.ExitStack() as entered:  # sessions exit in the reverse order of entering
+        sessions = {name: entered.enter_context(kvtopo.session(CONFIGS[name])) for name in names}
         for length in lengths:
             row = {"tokens": length, "load_before": os.getloadavg()}
             if length == longest:
@@ -379,9 +374,6 @@ def batch_main(args) -> None:
             rows.append(row)
             print(format_batch_row(row, names), flush=True)
             del dense, dense_v
-    finally:
-        for s in sessions.values():
-            s.__exit__(None, None, None)
     summary = {r["tokens"]: {name: batch_summary(r, name) for name in names} for r in rows}
     result = {
         "benchmark": "decode_speed_batch",
@@ -393,6 +385,7 @@ def batch_main(args) -> None:
         "threads": args.threads,
         "reps": args.reps,
         "c_kernel": cpu_decode.c_kernel_available(),
+        "command": command_line(__file__),
         "machine": describe_machine(),
         "rows": rows,
         "summary": summary,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from machine import describe_machine
+from machine import command_line, describe_machine
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIMES = ("onnxruntime", "openvino", "iree")
@@ -154,7 +154,7 @@ def main() -> None:
         ap.error("--onnx-dir holds one model's export: give one model")
     runs = [bench_model(name, args.contexts, args.steps, args.runtimes, args.onnx_dir) for name in args.models]
     result = {"config": "Config() defaults as exported (refit_after=None, eviction_scope=page; see each run)",
-              "runtimes_decode": "the session's greedy tokens", "machine": describe_machine(),
+              "runtimes_decode": "the session's greedy tokens", "command": command_line(__file__), "machine": describe_machine(),
               "decode_steps_timed": args.steps, "threads": THREADS, "runtimes": args.runtimes, "runs": runs}
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from real_quality import FIDELITY_TOKENS, Prompts, SessionForward, forced_logits
 from quality import kl_rows
-from machine import describe_machine
+from machine import command_line, describe_machine
 
 import kvtopo
 
@@ -92,7 +92,7 @@ def main() -> None:
     for name, row in rows.items():
         print(f"{name:26s} KL {row['kl']:.4f}  agreement {row['agree']:.2f}  {row['ratio']:.2f}x  kept {row['kept']:.2f}")
     meta = dict(length=args.length, seeds=args.seeds, forced_tokens=FIDELITY_TOKENS, dtype="float32",
-                torch=torch.__version__, machine=describe_machine(), load=os.getloadavg(),
+                torch=torch.__version__, command=command_line(__file__), machine=describe_machine(), load=os.getloadavg(),
                 seconds=time.perf_counter() - started)
     out = args.out or Path(__file__).resolve().parent / "results" / f"fidelity_configs_{args.length}.json"
     out.write_text(json.dumps(dict(meta=meta, configs=rows), indent=1) + "\n")

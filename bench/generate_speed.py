@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from machine import describe_machine
+from machine import command_line, describe_machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("hf", "lossless", "kvtopo")
@@ -294,7 +294,7 @@ def main() -> None:
                                     "dtype": args.dtype if args.model == "smollm2" else "float32", "reps": args.reps,
                                     "load_avg_before": [round(x, 2) for x in load_before],
                                     "load_avg_after": [round(x, 2) for x in os.getloadavg()],
-                                    "machine": describe_machine()}, indent=1))
+                                    "command": command_line(__file__), "machine": describe_machine()}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality  # noqa: E402  (kivi's bits per nominal ratio)
 import real_quality  # noqa: E402  (the two settings' conversations, run through a session)
-from machine import describe_machine  # noqa: E402
+from machine import command_line, describe_machine  # noqa: E402
 
 import kvtopo  # noqa: E402
 from kvtopo.models.instruction_tasks import RULES, make_instruction_example  # noqa: E402
@@ -177,7 +177,7 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(model="SmolLM2-135M-Instruct (float32)", document_tokens=tokens, examples_per_rule=examples,
                 rules=list(args.rules), new_tokens=NEW_TOKENS, ratio=args.ratio, settings=list(args.settings),
-                machine=describe_machine())
+                command=command_line(__file__), machine=describe_machine())
     path.write_text(json.dumps(dict(meta=meta, results=rows, answers=answers), indent=1))
     print(f"wrote {path}")
 

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kvtopo  # noqa: E402
-from machine import describe_machine  # noqa: E402
+from machine import command_line, describe_machine  # noqa: E402
 from decode_speed import CONFIGS, D, HKV, HQ, grow_sequence, rel_err, structured_kv  # noqa: E402
 from kvtopo.kernels import cpu_decode  # noqa: E402
 from kvtopo.kernels.decode_reference import reference_decode  # noqa: E402
@@ -113,7 +113,7 @@ def main() -> None:
                                                   "head_dim": head_dim},
               "length": args.length, "threads": args.threads, "rounds": args.rounds,
               "calls": args.calls, "builds": {r: {k: v for k, v in b.items() if k != "kernel"} for r, b in builds.items()},
-              "load_before": os.getloadavg(), "machine": describe_machine(), "configs": {}}
+              "load_before": os.getloadavg(), "command": command_line(__file__), "machine": describe_machine(), "configs": {}}
     for name in args.configs:
         with kvtopo.session(CONFIGS[name]) as s:
             grow_sequence(s, 0, q[0], keys, values, scale, 0, args.length)

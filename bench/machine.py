@@ -1,14 +1,16 @@
-"""The machine a bench ran on, written into its results.
+"""The machine a bench ran on and the command that ran it, written into its results.
 
 Vector kernels and bfloat16 products differ by CPU: a CPU with AVX512-BF16 instructions gives other
 bfloat16 logits than one without (oneDNN picks its kernels by what the CPU has, unless
 ONEDNN_MAX_CPU_ISA caps it), and AVX-512 changes the decode kernel's speed. A figure is comparable
-only with figures from the same kind of machine, so every bench records this beside its figures.
+only with figures from the same kind of machine, so every bench records this beside its figures,
+and the command that repeats them (`command_line`).
 """
 from __future__ import annotations
 
 import os
 import platform
+import sys
 
 import torch
 
@@ -32,6 +34,12 @@ def _cpuinfo() -> tuple[str | None, set[str]]:
         elif key == "flags" and not flags:
             flags = set(value.split())
     return model, flags
+
+
+def command_line(script: str, argv: list[str] | None = None) -> str:
+    """The command that repeats a bench's run, as the docs quote it: `bench/NAME ARGS` (`argv`: the
+    arguments its main() parsed; None: this process's)."""
+    return " ".join([f"bench/{os.path.basename(script)}", *(sys.argv[1:] if argv is None else argv)])
 
 
 def describe_machine() -> dict:

@@ -122,7 +122,7 @@ from kvtopo.kernels.directions import principal_basis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memory_mla  # noqa: E402  (the MLA rows; a module next to this script)
-from machine import describe_machine  # noqa: E402
+from machine import command_line, describe_machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "memory.json"
 
@@ -707,6 +707,7 @@ def main(argv=None) -> int:
         "targets": summary,
         "table": lines,
         "seconds": round(time.perf_counter() - started, 1),
+        "command": command_line(__file__, argv),
         "machine": describe_machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,7 @@ import kvtopo
 from kvtopo.kernels.directions import principal_basis
 from kvtopo.models.pretrained import chat_prompt, smollm2
 from kvtopo.models.real_tasks import has_number, prose_run
-from machine import describe_machine
+from machine import command_line, describe_machine
 
 CITIES = ["Oslo", "Lima", "Cairo", "Quito", "Hanoi", "Dakar", "Perth", "Tunis"]
 PROJECTED = dict(key_energy=0.9, value_energy=0.9)
@@ -128,7 +128,7 @@ def main() -> None:
         print(f"{name}: {found}/{args.examples} found, mean {mean_ratio:.2f}x vs fp16 "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
     meta = dict(tokens=args.tokens, examples=args.examples, dtype="float32", torch=torch.__version__,
-                machine=describe_machine(), seconds=time.perf_counter() - started)
+                command=command_line(__file__), machine=describe_machine(), seconds=time.perf_counter() - started)
     out_path.write_text(json.dumps(dict(meta=meta, configs=rows), indent=1) + "\n")
     print(f"wrote {out_path}")
 

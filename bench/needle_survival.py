@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality  # noqa: E402
 import real_quality as RQ  # noqa: E402
-from machine import describe_machine  # noqa: E402
+from machine import command_line, describe_machine  # noqa: E402
 
 import kvtopo  # noqa: E402
 from kvtopo.models import real_tasks as R  # noqa: E402
@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
               f"dropped in {sum(max(k) == 0 for k in rows[-1]['kept'])} of {len(first)} layers "
               f"({time.time() - started:.0f} s)", flush=True)
     result = dict(args={k: str(v) for k, v in vars(args).items()}, summary=summarise(rows), rows=rows,
-                  machine=describe_machine())
+                  command=command_line(__file__, argv), machine=describe_machine())
     print(json.dumps(result["summary"], indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

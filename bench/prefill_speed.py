@@ -29,7 +29,7 @@ import torch
 
 import kvtopo
 from kvtopo.models import zoo
-from machine import describe_machine
+from machine import command_line, describe_machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = {"lossless": kvtopo.Config.lossless, "config": kvtopo.Config,
@@ -107,7 +107,7 @@ def main() -> None:
                     print(profiles[f"{prompt}/{chunk}"], flush=True)
     result = {"model": "llama zoo", "config": repr(kvtopo.Config()), "threads": 1, "repeats": args.repeats,
               "statistic": "best of repeats",
-              "load_before": load_before, "load_after": os.getloadavg(), "machine": describe_machine(), "rows": rows}
+              "load_before": load_before, "load_after": os.getloadavg(), "command": command_line(__file__), "machine": describe_machine(), "rows": rows}
     if profiles:
         result["profiles"] = profiles
     RESULTS.mkdir(exist_ok=True)

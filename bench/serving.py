@@ -56,7 +56,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from machine import describe_machine  # noqa: E402
+from machine import command_line, describe_machine  # noqa: E402
 
 BLOCK = 32  # tokens per engine block
 
@@ -237,7 +237,7 @@ def main() -> None:
               "figures": FIGURES, "budget_bytes": budget,
               "engine_blocks_for_budget": blocks, "lossless_tokens_equal": same,
               "load_avg_before": [round(x, 2) for x in load_before],
-              "load_avg_after": [round(x, 2) for x in os.getloadavg()], "machine": describe_machine(),
+              "load_avg_after": [round(x, 2) for x in os.getloadavg()], "command": command_line(__file__), "machine": describe_machine(),
               "runs": {name: {k: v for k, v in row.items() if k != "tokens"} for name, row in runs.items()}}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -35,3 +35,16 @@ def test_batch_rows_report_the_time_over_each_floor(tmp_path):
     assert summary["one_min_over_each_floor"] == row["8x_one"]["min_over_each_floor"]
     assert summary["batched_min_over_each_floor"] == row["8x_batched"]["min_over_each_floor"]
     assert "read floor" in done.stdout and "arithmetic floor" in done.stdout
+
+
+@pytest.mark.parametrize("mode", [[], ["--batch", "2", "--configs", "default", "8x"]], ids=["one sequence", "batch"])
+def test_every_config_in_one_run_writes_its_json_and_command(tmp_path, mode):
+    """Each config has a session of its own, all entered at once: they must exit in the reverse order
+    (a session refuses any other), or the run ends in an error before it writes anything."""
+    out = tmp_path / "ds.json"
+    args = [*mode, "--lengths", "512", "--reps", "1", "--out", str(out)]
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["command"] == " ".join(["bench/decode_speed.py", *args])
+    assert {"default", "8x"} <= set(result["rows"][0])

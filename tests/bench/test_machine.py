@@ -1,4 +1,4 @@
-"""bench/machine.py: what every bench records of the CPU it ran on."""
+"""bench/machine.py: what every bench records of the CPU it ran on and of the command that ran it."""
 
 import os
 import sys
@@ -22,3 +22,11 @@ def test_the_record_names_this_cpu_and_the_isa_cap(monkeypatch):
         assert record["cpu"] == model
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     assert machine.describe_machine()["onednn_max_cpu_isa"] is None
+
+
+def test_the_command_repeats_the_run_as_the_docs_quote_it(monkeypatch):
+    script = str(Path(machine.__file__).with_name("decode_speed.py"))
+    assert machine.command_line(script, ["--batch", "16", "--out", "x.json"]) == "bench/decode_speed.py --batch 16 --out x.json"
+    monkeypatch.setattr(sys, "argv", ["/anywhere/bench/decode_speed.py", "--threads", "2"])
+    assert machine.command_line(script) == "bench/decode_speed.py --threads 2"  # this process's arguments
+    assert machine.command_line(script, []) == "bench/decode_speed.py"  # parsed nothing: not this process's
