@@ -366,7 +366,6 @@ def structure(inputs: Inputs, sample: int = 4096) -> dict:
     # How well directions fitted on the first prefill chunk (as the store fits them) hold later
     # on: share of the centred key energy of the last PREFILL_CHUNK tokens inside the basis
     # that holds 90% of the first chunk's.
-    from kvtopo.kernels.directions import principal_basis
     held = []
     for h in range(KV_HEADS):
         basis = principal_basis(inputs.keys[h, :PREFILL_CHUNK].float(), 0.9)
