@@ -316,7 +316,7 @@ def serve_kvtopo(model, config, prompts, max_new, eos, batch_tokens) -> tuple[li
         tokens = list(output.generated_tokens[:limit])
         answers.append(tokens[:next((i for i, t in enumerate(tokens) if t in eos), len(tokens))])
         held = result.request_stats[rid]
-        memory.append(memory_row(held, list(held.held_tokens), held.tokens, result.peak.budget_missed)
+        memory.append(memory_row(held, list(held.held_tokens), held.tokens, held.budget_missed)
                       | dict(session_peak_ratio=result.peak.ratio_vs_fp16))
     return answers, memory
 

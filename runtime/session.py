@@ -65,6 +65,7 @@ class SequenceStats:
     fp16_bytes: int
     tokens: int
     held_tokens: tuple[int, ...]
+    budget_missed: bool = False  # one of its layers holds more than its budget now
 
     ratio_vs_fp16 = CacheStats.ratio_vs_fp16
 
@@ -477,7 +478,7 @@ class Session:
         request), against an fp16 cache of its tokens."""
         seq = _sequence_id(seq)
         total = fp16 = tokens = 0
-        held = []
+        held, missed = [], False
         for cache in self.layers.values():
             entry = cache.stored_state(seq)
             if entry is not None and cache.pool is not None:
@@ -485,7 +486,8 @@ class Session:
                 fp16 += self._fp16_nbytes(cache, seq)
                 tokens = cache.length(seq)
                 held.append(cache.held_tokens(seq))
-        return SequenceStats(total, fp16, tokens, tuple(held))
+                missed |= cache.over_budget(seq)
+        return SequenceStats(total, fp16, tokens, tuple(held), missed)
 
     @staticmethod
     def _fp16_nbytes(cache: LayerCache, seq: int) -> int:

@@ -182,6 +182,21 @@ def test_session_forward_gives_kvtopo_generate_tokens_in_one_chunk_or_two():
     assert real_quality.run_kvtopo(model, small, [[ids]], [12], eos=[])[0] == [expected]
 
 
+def test_a_served_answer_reports_its_own_requests_budget_not_the_sessions():
+    """Served together, each answer's `budget_missed` is its request's, as one conversation at a time
+    reports it: a request that met its budget is not marked missed because another one missed."""
+    model = kvtopo.compile(zoo.build("llama"), inductor=False)
+    served = zoo.build("llama")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (120, 90, 150)]
+    config = kvtopo.Config(target_ratio=1.2, page_size=8, sink_tokens=8, recent_tokens=16, observation_window=8,
+                           prefill_chunk_size=16)
+    alone = [real_quality.run_kvtopo(model, config, [[ids]], [6], eos=[])[1][0]["budget_missed"] for ids in prompts]
+    memory = real_quality.serve_kvtopo(served, config, prompts, [6, 6, 6], eos=[-1], batch_tokens=16)[1]
+    assert [m["budget_missed"] for m in memory] == alone
+    assert 0 < sum(alone) < len(alone)  # some met their budget, some did not
+
+
 def test_served_prompts_give_the_sessions_answers_and_only_one_turn_is_served(capsys):
     """`--engine continuous-batching`: a cell's prompts served together by transformers' engine
     (split into 16-token forwards) answer as one conversation at a time does, each cut at its own
