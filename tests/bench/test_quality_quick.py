@@ -71,6 +71,7 @@ def test_values_are_sane(report):
             assert ratio >= by[(policy, 2.0, task)] - 1e-9
     for p in data["perplexity"]:
         assert p["ppl"] > 1.0 and p["ppl_full"] > 1.0
+        assert p["ppl_vs_full"] == pytest.approx(p["ppl"] / p["ppl_full"], rel=1e-9)  # compressed over full
         if p["policy"] == "full":
             assert p["ppl_vs_full"] == pytest.approx(1.0, abs=1e-9)
 
