@@ -17,7 +17,7 @@ alike:
   when the free-running continuation already equals the full-cache one, since the logits are
   then the same computation), and ``agree`` = fraction of the greedy continuation's tokens equal
   to the full-cache one position by position (``agree_prefix``: the common prefix's share);
-* **memory**: the *achieved* ratio ``stats().ratio_vs_fp16`` (fp16 bytes of the held tokens over
+* **memory**: the *achieved* ratio ``stats().ratio_vs_fp16`` (fp16 bytes of every token seen, evicted ones too, over
   every byte the session holds: pool slots live and free, encoded pages, metadata such as block
   tables, bases and observation queries) at the end of greedy generation; ``ratio_live``
   excludes free pool slots; ``budget_missed`` is the share of examples whose session reported

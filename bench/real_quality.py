@@ -63,8 +63,10 @@ e.g. 512, ``kvtopo.generate``'s default: every page then leaves Recent ranked by
 chunk that pushed it out, before the question is read, in both settings; kvpress still compresses
 the whole prompt once). Every cell reports the achieved
 ``ratio`` = ``stats().ratio_vs_fp16`` (fp16 bytes of the tokens over every byte the session
-holds, metadata and free pool slots included) and ``kept`` = the tokens still held (any form)
-over the tokens seen, both at the end of each answer.
+holds, metadata and free pool slots included; served, ``--engine continuous-batching``, the
+request's own bytes, without the pool's free slots, which all requests share: the session's at its
+peak is ``session_peak_ratio``) and ``kept`` = the tokens still held (any form) over the tokens
+seen, both at the end of each answer.
 
 Dtype. The runtime stores exact pages in the model's dtype and ``ratio_vs_fp16`` counts the bytes
 really held, while budgets (``target_ratio``) are set against fp16. A float32 model therefore
