@@ -22,7 +22,9 @@ session holds the model's earlier tokens. That is a forward recomputing the whol
 `generate(use_cache=False)`, which would store it again each step), a new prompt in a session
 that holds another, or a model that counts its positions in another graph than its attention
 (CTRL; DBRX, whose blocks take the cos/sin): each would attend over a history its positions say
-is not there. `kvtopo::given_positions` raises on it.
+is not there. `kvtopo::given_positions` raises on it. It also checks positions a graph computes
+from numbers of its own that cannot follow the store (a count from 2, by steps of 2, a table's rows
+from 2): those raise when they start below the stored length.
 """
 
 from __future__ import annotations
@@ -56,27 +58,39 @@ def _positions_fake(positions, model_key, real_tokens=False):
     return torch.empty_like(positions)
 
 
-def _positions_decomposition(positions, model_key, real_tokens=False):
+def _positions_decomposition(positions, model_key, *flags, **named_flags):
+    """Either op's identity, for export (`real_tokens` / `fixed` aside): a cache-free graph has no store."""
     return positions.clone()
 
 
 @torch.library.custom_op("kvtopo::given_positions", mutates_args=())
-def given_positions(positions: torch.Tensor, model_key: torch.Tensor) -> torch.Tensor:
+def given_positions(positions: torch.Tensor, model_key: torch.Tensor, fixed: bool = False) -> torch.Tensor:
     """`positions` ([T] or [B, T], passed to the graph, or a rotary embedding's cos or sin computed
     from them, [..., T, D]) unchanged (a copy); raises inside a session that stores tokens for
-    `model_key`'s model when every row of them restarts at 0."""
+    `model_key`'s model when every row of them restarts at 0. `fixed`: integer positions the graph
+    computed from numbers of its own (`arange(T) + 2`, `arange(0, 2 * T, 2)`, a table's rows 2..T+1,
+    or a start a cache gave): they do not follow the store, so they raise when every row starts
+    below the stored length, where a continuation's positions begin."""
     session = active_store()
     if session is not None:
         stored = session.model_length(model_key)
-        if stored and restart_at_zero(positions):
+        if stored and (starts_below(positions, stored) if fixed else restart_at_zero(positions)):
             tokens = positions.shape[-1 if _integer(positions) else -2]
+            first = "from " + (str(int(positions.reshape(-1, tokens)[:, 0].min())) if fixed else "0")
             raise RuntimeError(
-                f"kvtopo: this forward numbers its {tokens} token(s) from 0 while the session holds "
+                f"kvtopo: this forward numbers its {tokens} token(s) {first} while the session holds "
                 f"{stored} earlier token(s) of this model: it would attend over a history its positions say is "
                 "not there. A forward that recomputes the whole sequence (generate(use_cache=False)) or starts a "
                 "new prompt needs a new session or session.clear(); a continuation's positions start at the "
-                "stored length (kvtopo.generate and kvtopo.hf_cache pass them).")
+                "stored length (kvtopo.generate and kvtopo.hf_cache pass them)"
+                + (". These positions are computed in the graph from numbers of its own, which kvtopo cannot "
+                   "continue: pass position_ids instead" if fixed else "."))
     return positions.clone()
+
+
+def starts_below(positions: torch.Tensor, stored: int) -> bool:
+    """Every row of integer `positions` ([..., T]) starts below `stored`."""
+    return bool((positions.reshape(-1, positions.shape[-1])[:, 0] < stored).all())
 
 
 def restart_at_zero(positions: torch.Tensor) -> bool:
@@ -96,7 +110,7 @@ def _integer(positions: torch.Tensor) -> bool:
 
 
 @given_positions.register_fake
-def _given_positions_fake(positions, model_key):
+def _given_positions_fake(positions, model_key, fixed=False):
     return torch.empty_like(positions)
 
 

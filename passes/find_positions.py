@@ -35,6 +35,7 @@ mask over the chunk against causal anyway.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import re
 from dataclasses import dataclass
@@ -133,11 +134,32 @@ def _positions_node(count: fx.Node) -> fx.Node | None:
         node = users[0]
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
+# Ops whose result is not linear in an input: positions enter a rotary angle linearly (position x
+# frequency, or over an interpolation factor), while a count of frequencies (`arange(d // 2)` in
+# `base ** (-arange / d)`) reaches the same cos/sin through a power. A count that reaches them only
+# through one of these is no position, however long it is.
+_NONLINEAR = ((operator.pow, torch.pow, torch.float_power, torch.exp, torch.exp2, torch.log, torch.log2, torch.log1p,
+               torch.reciprocal, torch.rsqrt, torch.sqrt),
+              ("pow", "float_power", "exp", "exp2", "log", "log2", "log1p", "reciprocal", "rsqrt", "sqrt"))
+_DIVISIONS = ((operator.truediv, operator.floordiv, torch.div, torch.true_divide, torch.floor_divide),
+              ("div", "true_divide", "floor_divide"))
+
+
+def _linear_in(user: fx.Node, node: fx.Node) -> bool:
+    """Whether `user` is linear in `node` (or no arithmetic at all): not a power, exponential,
+    logarithm or root of it, nor a division by it."""
+    if is_call(user, *_NONLINEAR[0], methods=_NONLINEAR[1]):
+        return False
+    return not (is_call(user, *_DIVISIONS[0], methods=_DIVISIONS[1]) and node in user.args[1:])
+
+
+def _linear_descendants(node: fx.Node) -> set[fx.Node]:
+    """The nodes `node` reaches through ops linear in what they take from it."""
     seen, stack = set(), [node]
     while stack:
-        for user in stack.pop().users:
-            if user not in seen:
+        current = stack.pop()
+        for user in current.users:
+            if user not in seen and _linear_in(user, current):
                 seen.add(user)
                 stack.append(user)
     return seen
@@ -245,7 +267,7 @@ def _fed_attention(graph: fx.Graph) -> list[tuple[set[fx.Node], str | None, obje
 def _site(pos: fx.Node, tokens: str, fed: list) -> PositionSite | None:
     """`pos` as a site when its cos/sin or table rows reach the q/k of attention ops of one model
     whose queries are as long as it."""
-    reached = {n for n in _descendants(pos) if _is_rotary(n)} | _looked_up_tables(pos)
+    reached = {n for n in _linear_descendants(pos) if _is_rotary(n)} | _looked_up_tables(pos)
     if _given_rotary(pos) is not None:  # the cos/sin themselves, passed in
         reached.add(pos)
     rotated = [(layer, key) for ancestors, query_tokens, layer, key in fed if reached & ancestors and query_tokens == tokens]
@@ -290,16 +312,21 @@ def rewrite_position_sites(gm: fx.GraphModule, sites: list[PositionSite]) -> int
 
 @dataclass(frozen=True)
 class SlicedTable:
-    node: fx.Node  # `table[:T]` (or `table[:, :T]`...): the chunk's rows of a table the model holds
+    node: fx.Node  # `table[:T]` (or `table[:, :T]`, `table[2:T + 2]`...): rows of a table the model holds
     table: fx.Node
     dim: int  # the sliced dimension
-    length: object  # T: an int, or the graph's node for it
+    rows: slice  # the rows taken: start and step ints, stop an int or the graph's node for it
     model_key: fx.Node
 
+    @property
+    def counted_from_zero(self) -> bool:
+        """Rows 0..T-1: the chunk's positions, continued from the store."""
+        return self.rows.start == 0 and self.rows.step == 1
 
-def _sliced_rows(node: fx.Node) -> tuple[fx.Node, int, object] | None:
-    """(table, dim, T) when `node` is `table[..., :T, ...]` of a table the model holds: one
-    dimension cut to its first T rows, the others whole."""
+
+def _sliced_rows(node: fx.Node) -> tuple[fx.Node, int, slice] | None:
+    """(table, dim, rows) when `node` is `table[..., start:stop:step, ...]` of a table the model
+    holds: one dimension cut (a constant start and step, a stop), the others whole."""
     if not is_call(node, operator.getitem) or not _held_table(node.args[0]):
         return None
     index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
@@ -309,9 +336,10 @@ def _sliced_rows(node: fx.Node) -> tuple[fx.Node, int, object] | None:
     if len(cut) != 1:
         return None
     part = index[cut[0]]
-    if not (_is_zero(part.start) or part.start is None) or part.step not in (None, 1) or part.stop is None:
+    start, step = 0 if part.start is None else part.start, 1 if part.step is None else part.step
+    if type(start) is not int or start < 0 or type(step) is not int or step < 1 or part.stop is None:
         return None
-    return (node.args[0], cut[0], part.stop) if _only_combined_elementwise(node) else None
+    return (node.args[0], cut[0], slice(start, part.stop, step)) if _only_combined_elementwise(node) else None
 
 
 _ELEMENTWISE = ((operator.add, torch.add, operator.mul, torch.mul, operator.sub, torch.sub), ("add", "mul", "sub"))
@@ -331,33 +359,49 @@ def _only_combined_elementwise(node: fx.Node) -> bool:
     return bool(node.users)
 
 
-def find_sliced_table_sites(gm: fx.GraphModule) -> list[SlicedTable]:
-    """Every slice of a table the model holds to the chunk's first T rows (`cos_cached[:T]`, a
-    sinusoidal `pe[:T]`, learned `pos_emb[:, :T]`) that reaches the q/k of the attention ops of one
-    model whose queries are T long: rows 0..T-1 are the chunk's positions counted from 0."""
+def find_sliced_table_sites(gm: fx.GraphModule, counted_from_zero: bool = True) -> list[SlicedTable]:
+    """Every slice of a table the model holds to T rows that reaches the q/k of the attention ops of
+    one model whose queries are T long: the chunk's first T rows (`cos_cached[:T]`, a sinusoidal
+    `pe[:T]`, learned `pos_emb[:, :T]`), its positions counted from 0; with `counted_from_zero`
+    False, the slices from another row or by a step (`pe[2:T + 2]`, `pe[:2 * T:2]`), positions the
+    store cannot continue."""
     fed = _fed_attention(gm.graph)
     sites = []
     for node in gm.graph.nodes if fed else ():
         found = _sliced_rows(node)
         if found is None:
             continue
-        table, dim, length = found
-        tokens = str(node.meta["example_value"].shape[dim]) if "example_value" in node.meta else None
+        site = SlicedTable(node, *found, model_key=None)
+        if site.counted_from_zero != counted_from_zero:
+            continue
+        tokens = str(node.meta["example_value"].shape[site.dim]) if "example_value" in node.meta else None
         keys = {key for ancestors, query_tokens, _, key in fed if node in ancestors and query_tokens == tokens}
         if len(keys) == 1 and isinstance(next(iter(keys)), fx.Node):
-            sites.append(SlicedTable(node, table, dim, length, keys.pop()))
+            sites.append(dataclasses.replace(site, model_key=keys.pop()))
     return sites
 
 
+def find_offset_table_sites(gm: fx.GraphModule) -> list[SlicedTable]:
+    """`find_sliced_table_sites` of the slices from another row than 0 or by a step."""
+    return find_sliced_table_sites(gm, counted_from_zero=False)
+
+
 def rewrite_sliced_table_sites(gm: fx.GraphModule, sites: list[SlicedTable]) -> int:
-    """Each `table[:T]` becomes `table.index_select(dim, kvtopo.positions(arange(T), model_key))`:
-    the same rows outside a session, the rows after the stored history inside one."""
+    """Each `table[start:stop:step]` becomes `table.index_select(dim, op(arange(start, stop, step),
+    model_key))`: the same rows outside a session. `op` is `kvtopo.positions` for rows from 0 (the
+    rows after the stored history inside a session), `kvtopo.given_positions(fixed=True)` for the
+    others (a session raises when they start below its stored length)."""
     graph = gm.graph
     for site in sites:
         value = site.node.meta["example_value"]
+        if site.counted_from_zero:
+            op, arange_args, flags = torch.ops.kvtopo.positions.default, (site.rows.stop,), ()
+        else:
+            op, arange_args, flags = (torch.ops.kvtopo.given_positions.default,
+                                      (site.rows.start, site.rows.stop, site.rows.step), (True,))
         with graph.inserting_before(site.node):
-            count = graph.call_function(torch.arange, (site.length,), {"device": value.device})
-            positions = graph.call_function(torch.ops.kvtopo.positions.default, (count, site.model_key))
+            count = graph.call_function(torch.arange, arange_args, {"device": value.device})
+            positions = graph.call_function(op, (count, site.model_key, *flags))
             rows = graph.call_function(torch.index_select, (site.table, site.dim, positions))
         rows.meta.update({k: v for k, v in site.node.meta.items() if k in ("example_value", "stack_trace")})
         site.node.replace_all_uses_with(rows)
@@ -365,6 +409,50 @@ def rewrite_sliced_table_sites(gm: fx.GraphModule, sites: list[SlicedTable]) -> 
     graph.lint()
     gm.recompile()
     return len(sites)
+
+
+_ROUTED = (torch.ops.kvtopo.positions.default, torch.ops.kvtopo.given_positions.default)
+
+
+def _shifted(user: fx.Node, node: fx.Node) -> bool:
+    """`user` is `node` plus, minus or times a number or a size (`arange(T) + 2`, `arange(T) + past`)."""
+    if not is_call(user, operator.add, torch.add, operator.sub, torch.sub, operator.mul, torch.mul,
+                   methods=("add", "sub", "mul")) or len(user.args) != 2 or user.kwargs:
+        return False
+    other = user.args[1] if user.args[0] is node else user.args[0]
+    if isinstance(other, fx.Node):
+        other = other.meta.get("example_value")
+    return isinstance(other, (int, float, torch.SymInt))
+
+
+def _fixed_count(node: fx.Node) -> tuple[fx.Node, str] | None:
+    """(the node holding the positions, their token count) for an `arange` with no tensor argument,
+    seen through views, casts and shifts by a number or a size, that no kvtopo op routes yet: a
+    count from 2 or by steps of 2, or from a start a cache gave. The store cannot continue it."""
+    value = node.meta.get("example_value")
+    if not is_call(node, torch.arange) or _tensor_args(node) or not isinstance(value, torch.Tensor) or value.dim() != 1:
+        return None
+    pos = node
+    while len(pos.users) == 1:
+        user = next(iter(pos.users))
+        if not (_same_values(user, pos) or _shifted(user, pos)):
+            break
+        pos = user
+    if any(is_call(user, *_ROUTED) for user in pos.users) or pos.meta.get("example_value") is None:
+        return None
+    return (pos, str(value.shape[0])) if not pos.meta["example_value"].is_floating_point() else None
+
+
+def find_fixed_position_sites(gm: fx.GraphModule) -> list[PositionSite]:
+    """Every count the store cannot continue (`_fixed_count`) whose cos/sin or table rows reach a
+    kvtopo attention op's q/k (checked by `kvtopo.given_positions(fixed=True)`: positions that
+    start below the stored length raise)."""
+    return _sites(gm, _fixed_count)
+
+
+def rewrite_fixed_position_sites(gm: fx.GraphModule, sites: list[PositionSite]) -> int:
+    """Put `kvtopo.given_positions(pos, model_key, fixed=True)` between each count and its users."""
+    return _route(gm, sites, torch.ops.kvtopo.given_positions.default, lambda site: (True,))
 
 
 def _given_positions(node: fx.Node) -> tuple[fx.Node, str] | None:

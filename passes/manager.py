@@ -12,7 +12,8 @@ import dataclasses
 from .find_eager import find_eager_sites
 from .find_mla import find_mla_sites
 from .find_other_attention import find_other_attention
-from .find_positions import (find_given_position_sites, find_position_sites, find_sliced_table_sites,
+from .find_positions import (find_fixed_position_sites, find_given_position_sites, find_offset_table_sites,
+                             find_position_sites, find_sliced_table_sites, rewrite_fixed_position_sites,
                              rewrite_given_position_sites, rewrite_position_sites, rewrite_sliced_table_sites)
 from .find_sdpa import find_sdpa_sites
 from .rewrite import rewrite_mla_sites, rewrite_sites
@@ -34,6 +35,9 @@ GRAPH_PASSES = (
     ("positions", find_position_sites, rewrite_position_sites),  # computed from 0: continued from the store
     ("positions", find_sliced_table_sites, rewrite_sliced_table_sites),  # table[:T]: rows continued likewise
     ("given_positions", find_given_position_sites, rewrite_given_position_sites),  # passed in: checked
+    # computed from other numbers (a count from 2, by 2; a table's rows from 2): checked
+    ("given_positions", find_offset_table_sites, rewrite_sliced_table_sites),
+    ("given_positions", find_fixed_position_sites, rewrite_fixed_position_sites),
 )
 
 
@@ -42,7 +46,7 @@ class PassReport:
     sites: list = field(default_factory=list)  # AttentionSite or MLASite
     refusals: list[Refusal] = field(default_factory=list)
     positions: int = 0  # position computations routed through kvtopo.positions (find_positions)
-    given_positions: int = 0  # position inputs checked by kvtopo.given_positions (find_positions)
+    given_positions: int = 0  # positions passed in, or computed from other numbers than 0, checked (find_positions)
     seconds: float = 0.0
 
     def format(self) -> str:

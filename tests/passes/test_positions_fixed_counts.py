@@ -1,0 +1,90 @@
+"""Counts that are not a chunk's positions from 0: a frequency count as long as the chunk by chance
+is left alone; positions from another start or by a step, which the store cannot continue, are
+checked, and a chunk numbered below the stored length raises instead of attending wrongly."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvtopo
+from kvtopo.backend import REPORTS
+
+
+class RotaryFrequenciesInForward(torch.nn.Module):
+    """RoPE whose inverse frequencies are computed in forward from `arange(head_dim // 2)` = 4: a
+    chunk of 4 tokens has an `arange(4)` of positions and one of frequencies."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.qkv, self.head = torch.nn.Embedding(256, 32), torch.nn.Linear(32, 96), torch.nn.Linear(32, 256)
+
+    def forward(self, ids):
+        t = ids.shape[1]
+        inv_freq = 1.0 / (100.0 ** (torch.arange(4).float() / 4))
+        angles = torch.arange(t).float()[:, None] * inv_freq[None]
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        q, k, v = (z.view(1, t, 4, 8).transpose(1, 2) for z in self.qkv(self.embed(ids)).chunk(3, -1))
+        q, k = (z * cos + torch.cat([-z[..., 4:], z[..., :4]], -1) * sin for z in (q, k))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(y.transpose(1, 2).reshape(1, t, 32))
+
+
+def test_a_frequency_count_as_long_as_the_chunk_is_not_taken_for_positions():
+    model = RotaryFrequenciesInForward().eval()
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids)
+    compiled = torch.compile(model, backend="kvtopo", options={"inductor": False})
+    REPORTS.clear()
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
+        got = torch.cat([compiled(ids[:, a:b]) for a, b in ((0, 4), (4, 8), (8, 12), (12, 20))], 1)
+    assert REPORTS[0].positions == 1 and REPORTS[0].given_positions == 0  # the token count only
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+class LearnedPositions(torch.nn.Module):
+    """Learned position embeddings looked up, or sliced, by a count that does not start at 0 or
+    steps by 2 (`how`)."""
+
+    def __init__(self, how):
+        super().__init__()
+        torch.manual_seed(0)
+        self.how = how
+        self.embed, self.pos = torch.nn.Embedding(256, 32), torch.nn.Embedding(128, 32)
+        self.qkv, self.head = torch.nn.Linear(32, 96), torch.nn.Linear(32, 256)
+
+    def forward(self, ids):
+        t = ids.shape[1]
+        x = self.embed(ids)
+        if self.how == "arange(t) + 2":
+            x = x + self.pos(torch.arange(t) + 2)
+        elif self.how == "arange(2, t + 2)":
+            x = x + self.pos(torch.arange(2, t + 2))
+        elif self.how == "arange(0, 2t, 2)":
+            x = x + self.pos(torch.arange(0, 2 * t, 2))
+        elif self.how == "table[2:t + 2]":
+            x = x + self.pos.weight[2:t + 2]
+        else:
+            x = x + self.pos.weight[:2 * t:2]
+        q, k, v = (z.view(1, t, 4, 8).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(y.transpose(1, 2).reshape(1, t, 32))
+
+
+@pytest.mark.parametrize("how", ["arange(t) + 2", "arange(2, t + 2)", "arange(0, 2t, 2)", "table[2:t + 2]",
+                                 "table[:2t:2]"])
+def test_positions_the_store_cannot_continue_raise_on_the_next_chunk(how):
+    model = LearnedPositions(how).eval()
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids)
+    compiled = torch.compile(model, backend="kvtopo", options={"inductor": False})
+    REPORTS.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids), expected, atol=1e-5, rtol=0)  # unchanged outside a session
+        with kvtopo.session(kvtopo.Config.lossless()):
+            torch.testing.assert_close(compiled(ids[:, :12]), expected[:, :12], atol=1e-5, rtol=0)
+            with pytest.raises(RuntimeError, match="numbers its 1 token.*while the session holds 12.*pass position_ids"):
+                compiled(ids[:, 12:13])
+    assert all(r.positions == 0 for r in REPORTS) and any(r.given_positions for r in REPORTS)
