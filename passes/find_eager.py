@@ -21,8 +21,8 @@ from .find_window import mask_window
 from .graph_utils import MUL_OPS as _MUL
 from .graph_utils import SUB_OPS as _SUB
 from .graph_utils import (MASK_FLOOR, ActivationSources, _weight_placeholder, arg, attention_shapes, built_from_mask,
-                          check_self_attention, collect_sites, constant_value, is_call, meta_tensor, skip_casts,
-                          strip_repeat_kv, symbolic_float)
+                          check_self_attention, collect_sites, constant_value, floating_cast, is_call, meta_tensor,
+                          skip_casts, strip_repeat_kv, symbolic_float)
 from .graph_utils import in_group as _is
 from .site import AttentionSite, NotAttention, Refusal
 
@@ -106,7 +106,7 @@ def _probabilities_to_output(softmax: fx.Node) -> tuple[fx.Node, fx.Node, str | 
     node, dropped = softmax, None
     while True:
         user = _single_user(node, "attention probabilities")
-        if is_call(user, methods=("to", "type", "float")) or _is_inference_dropout(user):
+        if floating_cast(user) or _is_inference_dropout(user):
             node = user
             continue
         if dropped is None and (side := _dropped_column(user)) is not None:

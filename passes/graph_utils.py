@@ -59,12 +59,21 @@ _TRANSPARENT_CASTS = ("to", "type", "float", "contiguous")
 
 
 def skip_casts(node):
-    """Walk up through dtype casts / contiguous, which do not change attention's math."""
-    while is_call(node, methods=_TRANSPARENT_CASTS) and isinstance(node.args[0], fx.Node):
-        if node.target == "to" and not _is_dtype_only_to(node):
-            break
+    """Walk up through dtype casts / contiguous, which do not change attention's math (a cast to
+    an integer or bool dtype does: it truncates the scores; `floating_cast`)."""
+    while floating_cast(node):
         node = node.args[0]
     return node
+
+
+def floating_cast(node) -> bool:
+    """`node` is a cast (or `contiguous`) of another node whose result is floating point."""
+    if not is_call(node, methods=_TRANSPARENT_CASTS) or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.target == "to" and not _is_dtype_only_to(node):
+        return False
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
 def _is_dtype_only_to(node: fx.Node) -> bool:
@@ -91,7 +100,8 @@ def strip_repeat_kv(node: fx.Node) -> tuple[fx.Node, int]:
     source = None
     if is_call(unsqueezed, operator.getitem):
         index = unsqueezed.args[1]
-        if (isinstance(index, tuple) and len(index) == 5 and index[2] is None
+        # x[:, :, None, :, :] or its shorter spelling x[:, :, None] (the trailing axes implied)
+        if (isinstance(index, tuple) and 3 <= len(index) <= 5 and index[2] is None
                 and all(i == slice(None) for i in index[:2] + index[3:])):
             source = unsqueezed.args[0]
     elif is_call(unsqueezed, torch.unsqueeze, methods=("unsqueeze",)) and arg(unsqueezed, 1, "dim") == 2:

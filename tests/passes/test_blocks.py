@@ -16,6 +16,8 @@ def test_block_is_rewritten_and_equal(name):
     x = torch.randn(2, 10, 32)
     report = kvtopo.inspect(block, x)
     assert len(report.sites) == 1 and not report.refusals
+    # GQA's repeat walked back, however it is spelled (`x[:, :, None]` too): kv-heads stored once
+    assert (report.sites[0].heads, report.sites[0].kv_heads) == (block.heads, block.kv_heads)
     with torch.no_grad():
         expected = block(x)
         got = torch.compile(block, backend="kvtopo", options={"inductor": False})(x)
