@@ -220,14 +220,14 @@ def _held_table(table) -> bool:
     return isinstance(table, fx.Node) and model_tensor(table)
 
 
-def _looked_up_tables(positions: fx.Node) -> set[fx.Node]:
+def _looked_up_tables(positions: fx.Node, users=None) -> set[fx.Node]:
     """Rows picked from a table the model holds by `positions` (as `_keeps_positions` carries them):
     `embedding(idx, table)`, `table.index_select(0, idx)`, `table[idx]`, `table[idx, :]` (learned or
-    sinusoidal position embeddings)."""
+    sinusoidal position embeddings); through `users` of `positions` only, when given."""
     found, stack, seen = set(), [positions], {positions}
     while stack:
         node = stack.pop()
-        for user in node.users:
+        for user in users if node is positions and users is not None else node.users:
             if is_call(user, F.embedding):
                 table, index = user.args[1] if len(user.args) > 1 else user.kwargs.get("weight"), user.args[0]
             elif is_call(user, torch.embedding):  # (weight, indices), the other way round
@@ -264,10 +264,14 @@ def _fed_attention(graph: fx.Graph) -> list[tuple[set[fx.Node], str | None, obje
     return fed
 
 
-def _site(pos: fx.Node, tokens: str, fed: list) -> PositionSite | None:
+def _site(pos: fx.Node, tokens: str, fed: list, users=None) -> PositionSite | None:
     """`pos` as a site when its cos/sin or table rows reach the q/k of attention ops of one model
-    whose queries are as long as it."""
-    reached = {n for n in _linear_descendants(pos) if _is_rotary(n)} | _looked_up_tables(pos)
+    whose queries are as long as it (through `users` of `pos` only, when given)."""
+    if users is None:
+        reached = {n for n in _linear_descendants(pos) if _is_rotary(n)}
+    else:
+        reached = {n for u in users if _linear_in(u, pos) for n in {u} | _linear_descendants(u) if _is_rotary(n)}
+    reached |= _looked_up_tables(pos, users)
     if _given_rotary(pos) is not None:  # the cos/sin themselves, passed in
         reached.add(pos)
     rotated = [(layer, key) for ancestors, query_tokens, layer, key in fed if reached & ancestors and query_tokens == tokens]
@@ -425,29 +429,43 @@ def _shifted(user: fx.Node, node: fx.Node) -> bool:
     return isinstance(other, (int, float, torch.SymInt))
 
 
-def _fixed_count(node: fx.Node) -> tuple[fx.Node, str] | None:
-    """(the node holding the positions, their token count) for an `arange` with no tensor argument,
-    seen through views, casts and shifts by a number or a size, that no kvtopo op routes yet: a
-    count from 2 or by steps of 2, or from a start a cache gave. The store cannot continue it."""
-    value = node.meta.get("example_value")
-    if not is_call(node, torch.arange) or _tensor_args(node) or not isinstance(value, torch.Tensor) or value.dim() != 1:
-        return None
-    pos = node
-    while len(pos.users) == 1:
-        user = next(iter(pos.users))
-        if not (_same_values(user, pos) or _shifted(user, pos)):
-            break
-        pos = user
-    if any(is_call(user, *_ROUTED) for user in pos.users) or pos.meta.get("example_value") is None:
-        return None
-    return (pos, str(value.shape[0])) if not pos.meta["example_value"].is_floating_point() else None
+def _count_ends(count: fx.Node) -> list[tuple[fx.Node, list[fx.Node]]]:
+    """Where a count's values leave its chain of views, casts and shifts (`_same_values`,
+    `_shifted`): each integer node of the chain with users outside it, and those users."""
+    ends, stack, seen = [], [count], {count}
+    while stack:
+        node = stack.pop()
+        chained = [u for u in node.users if _same_values(u, node) or _shifted(u, node)]
+        others = [u for u in node.users if u not in chained]
+        value = node.meta.get("example_value")
+        if others and isinstance(value, torch.Tensor) and not value.is_floating_point():
+            ends.append((node, others))
+        for user in chained:
+            if user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return ends
 
 
 def find_fixed_position_sites(gm: fx.GraphModule) -> list[PositionSite]:
-    """Every count the store cannot continue (`_fixed_count`) whose cos/sin or table rows reach a
-    kvtopo attention op's q/k (checked by `kvtopo.given_positions(fixed=True)`: positions that
-    start below the stored length raise)."""
-    return _sites(gm, _fixed_count)
+    """Every count the store cannot continue whose cos/sin or table rows reach a kvtopo attention
+    op's q/k: an `arange` with no tensor argument that no kvtopo op routes yet (a count from 2 or
+    by steps of 2, or from a start a cache gave), at each place its values, through views, casts and
+    shifts, go on to the rotary angles or a table (checked there by `kvtopo.given_positions(fixed=True)`:
+    positions that start below the stored length raise)."""
+    fed = _fed_attention(gm.graph)
+    sites = []
+    for node in gm.graph.nodes if fed else ():
+        value = node.meta.get("example_value")
+        if not is_call(node, torch.arange) or _tensor_args(node) or not isinstance(value, torch.Tensor) or value.dim() != 1:
+            continue
+        for end, users in _count_ends(node):
+            if any(is_call(user, *_ROUTED) for user in users):
+                continue
+            site = _site(end, str(value.shape[0]), fed, users)
+            if site is not None:
+                sites.append(site)
+    return sites
 
 
 def rewrite_fixed_position_sites(gm: fx.GraphModule, sites: list[PositionSite]) -> int:
