@@ -1,6 +1,5 @@
-"""Counts that are not a chunk's positions from 0: a frequency count as long as the chunk by chance
-is left alone; positions from another start or by a step, which the store cannot continue, are
-checked, and a chunk numbered below the stored length raises instead of attending wrongly."""
+"""Positions from another start or by a step, which the store cannot continue, are checked: a chunk
+numbered below the stored length raises instead of attending wrongly."""
 
 import pytest
 import torch
@@ -8,39 +7,6 @@ import torch.nn.functional as F
 
 import kvtopo
 from kvtopo.backend import REPORTS
-
-
-class RotaryFrequenciesInForward(torch.nn.Module):
-    """RoPE whose inverse frequencies are computed in forward from `arange(head_dim // 2)` = 4: a
-    chunk of 4 tokens has an `arange(4)` of positions and one of frequencies."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed, self.qkv, self.head = torch.nn.Embedding(256, 32), torch.nn.Linear(32, 96), torch.nn.Linear(32, 256)
-
-    def forward(self, ids):
-        t = ids.shape[1]
-        inv_freq = 1.0 / (100.0 ** (torch.arange(4).float() / 4))
-        angles = torch.arange(t).float()[:, None] * inv_freq[None]
-        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-        q, k, v = (z.view(1, t, 4, 8).transpose(1, 2) for z in self.qkv(self.embed(ids)).chunk(3, -1))
-        q, k = (z * cos + torch.cat([-z[..., 4:], z[..., :4]], -1) * sin for z in (q, k))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.head(y.transpose(1, 2).reshape(1, t, 32))
-
-
-def test_a_frequency_count_as_long_as_the_chunk_is_not_taken_for_positions():
-    model = RotaryFrequenciesInForward().eval()
-    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = model(ids)
-    compiled = torch.compile(model, backend="kvtopo", options={"inductor": False})
-    REPORTS.clear()
-    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
-        got = torch.cat([compiled(ids[:, a:b]) for a, b in ((0, 4), (4, 8), (8, 12), (12, 20))], 1)
-    assert REPORTS[0].positions == 1 and REPORTS[0].given_positions == 0  # the token count only
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
 class LearnedPositions(torch.nn.Module):
