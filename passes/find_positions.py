@@ -27,6 +27,14 @@ reaches the cos/sin or a table the same way (`position_ids`, `cache_position`, o
 break left in another graph, as CTRL's) goes through `torch.ops.kvtopo.given_positions` instead, which raises when every
 row restarts at 0 over a stored history.
 
+Counts the store cannot continue -- an `arange` from another start or by a step (`arange(T) + 2`,
+`arange(0, 2 * T, 2)`), a table's rows from another row (`pe[2:T + 2]`), or a start a cache gave --
+go through `kvtopo.given_positions(fixed=True)` where their values go on to the rotary angles or a
+table: a session raises when they start below its stored length. A count reaches the rotary angles
+as a position only linearly (position x frequency): one that gets there only through a power, as
+inverse frequencies computed in forward do (`base ** (-arange(d // 2) / d)`), is no position,
+however long it is.
+
 HF's masks stay valid under the shift: with an in-graph `DynamicCache` the mask is built from the
 cache's offsets (not from the positions); without a cache, the packed-sequence check only looks at
 differences of consecutive positions, which a common shift keeps. The session checks the graph's
