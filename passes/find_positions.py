@@ -347,6 +347,12 @@ def _sliced_rows(node: fx.Node) -> tuple[fx.Node, int, slice] | None:
     cut = [d for d, i in enumerate(index) if i != slice(None)]
     if len(cut) != 1:
         return None
+    # Positions run along a table's rows, its second-to-last axis (`pe[:T]` of [rows, D],
+    # `cos_cached[:, :, :T]` of [1, 1, rows, D]): a cut elsewhere (a per-channel `scale[:d]`, d as
+    # long as the chunk by chance) takes no positions.
+    table = node.args[0].meta.get("example_value")
+    if not isinstance(table, torch.Tensor) or cut[0] - table.dim() != -2:
+        return None
     part = index[cut[0]]
     start, step = 0 if part.start is None else part.start, 1 if part.step is None else part.step
     if type(start) is not int or start < 0 or type(step) is not int or step < 1 or part.stop is None:

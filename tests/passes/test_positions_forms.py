@@ -51,17 +51,18 @@ def test_a_count_or_slice_of_another_length_is_not_continued_from_the_store():
     torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-5, rtol=0)
 
 
-def test_a_frequency_count_as_long_as_the_chunk_is_not_taken_for_positions():
-    """Chunks of 4 tokens: `arange(4)` of the frequencies is as long as the chunk's positions, but
-    reaches the cos/sin only through a power, as no position does."""
+@pytest.mark.parametrize("chunk", [4, 8], ids=["as long as the frequencies", "as long as the scale"])
+def test_a_count_or_slice_as_long_as_the_chunk_is_not_taken_for_positions(chunk):
+    """Equal chunks as long as `arange(4)` of the frequencies, which reaches the cos/sin only through
+    a power, as no position does; or as `scale[:8]`, cut along the channels, not a table's rows."""
     model = RotaryFrequenciesInForward().eval()
-    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(ids)
     compiled = torch.compile(model, backend="kvtopo", options={"inductor": False})
     REPORTS.clear()
     with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
-        chunks = [compiled(ids[:, a:b]) for a in range(0, 20, 4) for b in (a + 4,)]
+        chunks = [compiled(ids[:, a:a + chunk]) for a in range(0, 24, chunk)]
     assert REPORTS[0].positions == 1 and REPORTS[0].given_positions == 0  # the token count only
     torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-5, rtol=0)
 
