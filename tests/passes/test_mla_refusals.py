@@ -15,7 +15,8 @@ WINDOW = 3
 
 class _MLABlock(torch.nn.Module):
     """DeepSeek's MLA as HF writes it (see test_mla.py), but with one change, `how`: an up-projection
-    with a bias, a no-RoPE key scaled after the split, or a sliding window mask."""
+    with a bias, a no-RoPE key scaled after the split, a RoPE key scaled as it is copied in (not an
+    expand of one shared key), a latent without its head axis, or a sliding window mask."""
 
     def __init__(self, how, heads=2, latent=8, nope=4, rope=4, v=4):
         super().__init__()
@@ -31,14 +32,14 @@ class _MLABlock(torch.nn.Module):
         x = self.embed(x)
         q = self.q(x).view(b, t, self.h, -1).transpose(1, 2)
         latent, k_rope = torch.split(self.kv_a(x), [self.kv_b.in_features, self.rope], dim=-1)
-        latent, k_rope = latent.view(b, 1, t, -1), k_rope.view(b, 1, t, -1)
+        latent, k_rope = latent.view(b, 1, t, -1) if self.how != "flat latent" else latent, k_rope.view(b, 1, t, -1)
         kv = self.kv_b(latent).view(b, t, -1, self.nope + self.v).transpose(1, 2)
         k_nope, value = torch.split(kv, [self.nope, self.v], dim=-1)
         if self.how == "scaled nope":
             k_nope = k_nope * 2.0
         key = kv.new_empty(b, self.h, t, self.nope + self.rope)
         key[..., : self.nope].copy_(k_nope)
-        key[..., self.nope:].copy_(k_rope.expand(-1, self.h, -1, -1))
+        key[..., self.nope:].copy_(k_rope * 2.0 if self.how == "scaled rope" else k_rope.expand(-1, self.h, -1, -1))
         if self.how == "window":
             idx = torch.arange(t, device=x.device)
             mask = (idx[None, :] <= idx[:, None]) & (idx[None, :] > idx[:, None] - WINDOW)
@@ -49,6 +50,8 @@ class _MLABlock(torch.nn.Module):
 REASONS = {
     "bias": "not a bias-free linear",
     "scaled nope": "not the first split of the up-projection",
+    "scaled rope": "not one shared key expanded over heads",
+    "flat latent": "the latent is not one shared",
     "window": "sliding window",
 }
 
