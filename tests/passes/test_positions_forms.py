@@ -34,11 +34,21 @@ class RotaryFrequenciesInForward(torch.nn.Module):
         return self.head(y.transpose(1, 2).reshape(1, t, 32))
 
 
-def test_a_count_or_slice_of_another_length_is_not_continued_from_the_store():
+CUTS = {
+    # The 4-token chunk comes after a 7-token one: Dynamo compiles it with a symbolic length, which
+    # no constant count equals.
+    "of other lengths": ((0, 7), (7, 11), (11, 12), (12, 20)),
+    # Equal chunks as long as `arange(4)`, which reaches the cos/sin only through a power, as no
+    # position does, or as `scale[:8]`, cut along the channels, not a table's rows.
+    "as long as the frequencies": tuple((a, a + 4) for a in range(0, 20, 4)),
+    "as long as the scale": ((0, 8), (8, 16), (16, 20)),
+}
+
+
+@pytest.mark.parametrize("chunks", CUTS.values(), ids=CUTS.keys())
+def test_a_count_or_slice_of_something_else_is_not_continued_from_the_store(chunks):
     """Only `arange(t)` is routed: shifting `arange(4)` by the store too would change the
-    frequencies of every chunk after the first, and `scale[:8]` would take other rows. (The
-    4-token chunk comes after a 7-token one, so Dynamo compiles it with a symbolic length, which
-    no constant count equals.)"""
+    frequencies of every chunk after the first, and `scale[:8]` would take other rows."""
     model = RotaryFrequenciesInForward().eval()
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -46,25 +56,9 @@ def test_a_count_or_slice_of_another_length_is_not_continued_from_the_store():
     compiled = torch.compile(model, backend="kvtopo", options={"inductor": False})
     REPORTS.clear()
     with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
-        chunks = [compiled(ids[:, a:b]) for a, b in ((0, 7), (7, 11), (11, 12), (12, 20))]
-    assert REPORTS and all(r.positions == 1 for r in REPORTS), REPORTS
-    torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("chunk", [4, 8], ids=["as long as the frequencies", "as long as the scale"])
-def test_a_count_or_slice_as_long_as_the_chunk_is_not_taken_for_positions(chunk):
-    """Equal chunks as long as `arange(4)` of the frequencies, which reaches the cos/sin only through
-    a power, as no position does; or as `scale[:8]`, cut along the channels, not a table's rows."""
-    model = RotaryFrequenciesInForward().eval()
-    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = model(ids)
-    compiled = torch.compile(model, backend="kvtopo", options={"inductor": False})
-    REPORTS.clear()
-    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()):
-        chunks = [compiled(ids[:, a:a + chunk]) for a in range(0, 24, chunk)]
-    assert REPORTS[0].positions == 1 and REPORTS[0].given_positions == 0  # the token count only
-    torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-5, rtol=0)
+        got = torch.cat([compiled(ids[:, a:b]) for a, b in chunks], 1)
+    assert REPORTS and all(r.positions == 1 and r.given_positions == 0 for r in REPORTS), REPORTS  # the token count only
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
 class CallersOffsetOnACountReadTwice(torch.nn.Module):
