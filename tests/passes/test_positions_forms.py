@@ -3,13 +3,13 @@ else, and one the caller moves by its own start, are not continued from the stor
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kvtopo
 from kvtopo.backend import REPORTS
+from tiny_lm import TinyLM, rotary
 
 
-class RotaryFrequenciesInForward(torch.nn.Module):
+class RotaryFrequenciesInForward(TinyLM):
     """RoPE whose inverse frequencies are computed in forward from `arange(head_dim // 2)`, and
     queries scaled per channel by a held table's first head_dim rows, `scale[:8]`: a zero-based
     count that reaches the cos/sin and a table slice met elementwise, as positions are, but no
@@ -17,21 +17,12 @@ class RotaryFrequenciesInForward(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(256, 32)
-        self.qkv = torch.nn.Linear(32, 96)
-        self.head = torch.nn.Linear(32, 256)
         self.scale = torch.nn.Parameter(torch.rand(16) + 0.5)
 
     def forward(self, input_ids):
-        t = input_ids.shape[1]
         inv_freq = 1.0 / (100.0 ** (torch.arange(4).float() / 4))
-        angles = torch.arange(t).float()[:, None] * inv_freq[None]
-        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-        q, k, v = (z.view(1, t, 4, 8).transpose(1, 2) for z in self.qkv(self.embed(input_ids)).chunk(3, -1))
-        q, k = (z * cos + torch.cat([-z[..., 4:], z[..., :4]], -1) * sin for z in (q, k))
-        y = F.scaled_dot_product_attention(q * self.scale[:8], k, v, is_causal=True)
-        return self.head(y.transpose(1, 2).reshape(1, t, 32))
+        angles = torch.arange(input_ids.shape[1]).float()[:, None] * inv_freq[None]
+        return self.attend(self.embed(input_ids), *rotary(angles), query_scale=self.scale[:8])
 
 
 CUTS = {
@@ -61,27 +52,15 @@ def test_a_count_or_slice_of_something_else_is_not_continued_from_the_store(chun
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
-class CallersOffsetOnACountReadTwice(torch.nn.Module):
+class CallersOffsetOnACountReadTwice(TinyLM):
     """Rotary positions `arange(t) + offset`, the caller passing the stored length as `offset`, the
     count also read a second time (here to build an all-ones gate)."""
 
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(256, 32)
-        self.qkv = torch.nn.Linear(32, 96)
-        self.head = torch.nn.Linear(32, 256)
-
     def forward(self, input_ids, offset=0):
-        t = input_ids.shape[1]
-        count = torch.arange(t)
+        count = torch.arange(input_ids.shape[1])
         gate = (count >= 0).float()[None, :, None]
         angles = (count + offset).float()[:, None] * torch.logspace(0, -2, 4)
-        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-        q, k, v = (z.view(1, t, 4, 8).transpose(1, 2) for z in self.qkv(self.embed(input_ids) * gate).chunk(3, -1))
-        q, k = (z * cos + torch.cat([-z[..., 4:], z[..., :4]], -1) * sin for z in (q, k))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.head(y.transpose(1, 2).reshape(1, t, 32))
+        return self.attend(self.embed(input_ids) * gate, *rotary(angles))
 
 
 def test_a_start_the_caller_adds_to_a_count_read_twice_is_not_added_again():
@@ -97,7 +76,7 @@ def test_a_start_the_caller_adds_to_a_count_read_twice_is_not_added_again():
     torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-4, rtol=0)
 
 
-class RotaryOfGivenPositions(torch.nn.Module):
+class RotaryOfGivenPositions(TinyLM):
     """Positions passed in as `pos`, rotated by cos/sin computed from them: in the attention's
     graph, or (`split`) before a graph break, so that the attention's graph takes inputs named
     `cos` and `sin`."""
@@ -105,21 +84,12 @@ class RotaryOfGivenPositions(torch.nn.Module):
     def __init__(self, split):
         super().__init__()
         self.split = split
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(256, 32)
-        self.qkv = torch.nn.Linear(32, 96)
-        self.head = torch.nn.Linear(32, 256)
 
     def forward(self, input_ids, pos):
-        t = input_ids.shape[1]
-        angles = pos.float()[:, None] * torch.logspace(0, -2, 4)
-        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        cos, sin = rotary(pos.float()[:, None] * torch.logspace(0, -2, 4))
         if self.split:
             torch._dynamo.graph_break()
-        q, k, v = (z.view(1, t, 4, 8).transpose(1, 2) for z in self.qkv(self.embed(input_ids)).chunk(3, -1))
-        q, k = (z * cos + torch.cat([-z[..., 4:], z[..., :4]], -1) * sin for z in (q, k))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.head(y.transpose(1, 2).reshape(1, t, 32))
+        return self.attend(self.embed(input_ids), cos, sin)
 
 
 @pytest.mark.parametrize("split", [False, True])

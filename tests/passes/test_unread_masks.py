@@ -17,11 +17,7 @@ import kvtopo
 from kvtopo.backend import RefusedAttention
 from kvtopo.models import zoo
 from kvtopo.models.blocks import _Projections
-
-
-def _indices(x):
-    idx = torch.arange(x.shape[1], device=x.device)
-    return idx[:, None], idx[None, :]  # query, key
+from masked_attention import MaskedAttention, token_indices
 
 
 MASKS = {
@@ -48,17 +44,6 @@ MASKS = {
 }
 REFUSED = {"block of 4", "window as kv + 4 > q", "prefix of 2", "one key ahead (tril(1))", "block of 4, no comparison",
            "prefix of 3 by clamp", "wider band 2 kv > q - 4", "lookahead kv <= q + t"}
-
-
-class MaskedAttention(_Projections):
-    def __init__(self, build_mask):
-        super().__init__()
-        self.build_mask = build_mask
-
-    def forward(self, x):
-        q, k, v = self.qkv(x)
-        mask = self.build_mask(*_indices(x))
-        return self.out(F.scaled_dot_product_attention(q, self.repeat_kv(k), self.repeat_kv(v), attn_mask=mask))
 
 
 @pytest.mark.parametrize("name", sorted(MASKS))
@@ -150,7 +135,7 @@ class TableMask(_Projections):
 
     def forward(self, x):
         q, k, v = self.qkv(x)
-        qi, ki = _indices(x)
+        qi, ki = token_indices(x)
         mask = (ki <= qi) & self.keep[ki]
         return self.out(F.scaled_dot_product_attention(q, self.repeat_kv(k), self.repeat_kv(v), attn_mask=mask))
 
@@ -171,7 +156,7 @@ class BlockIdTable(_Projections):
 
     def forward(self, x):
         q, k, v = self.qkv(x)
-        qi, ki = _indices(x)
+        qi, ki = token_indices(x)
         mask = (ki <= qi) & (self.block_id[ki] == self.block_id[qi])
         return self.out(F.scaled_dot_product_attention(q, self.repeat_kv(k), self.repeat_kv(v), attn_mask=mask))
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import kvtopo
 from kvtopo.models.blocks import _Projections
+from masked_attention import MaskedAttention
 
 
 def _ones(q, kv):
@@ -28,18 +29,6 @@ REFUSED = {  # what a short chunk cannot show
     "one key ahead, triu(2) of -inf": (
         "neither causal order", lambda q, kv: torch.full((q.shape[0], kv.shape[1]), float("-inf")).triu(2)),
 }
-
-
-class MaskedAttention(_Projections):
-    def __init__(self, build_mask):
-        super().__init__()
-        self.build_mask = build_mask
-
-    def forward(self, x):
-        q, k, v = self.qkv(x)
-        idx = torch.arange(x.shape[1], device=x.device)
-        mask = self.build_mask(idx[:, None], idx[None, :])
-        return self.out(F.scaled_dot_product_attention(q, self.repeat_kv(k), self.repeat_kv(v), attn_mask=mask))
 
 
 class PrefixOfAnInput(_Projections):
