@@ -2,9 +2,9 @@
 
 Each block is a spelling the eager matcher could mistake for plain attention (a softcap met after
 the scale, a scale after the mask, a second additive mask, keys laid out another way, scores or
-sink logits read elsewhere, a row max over the wrong axis, cross-attention), or one it must take
-(a `where` mask beside a padding mask, the softcap written with a reciprocal, a -10000 fill, zero
-dropout in training). Whatever the passes decide, the compiled block equals the block outside a
+sink logits read elsewhere, a row max over the wrong axis, cross-attention, values alone from
+another input), or one it must take (a `where` mask beside a padding mask, the softcap written
+with a reciprocal, a -10000 fill, zero dropout in training). Whatever the passes decide, the compiled block equals the block outside a
 session, and inside a lossless session it either raises before computing (refused) or equals one
 full forward chunk by chunk.
 """
@@ -82,6 +82,17 @@ class EagerCrossAttention(_Projections):
     def forward(self, x, memory):
         q, _, _ = self.qkv(x)
         _, k, v = self.qkv(memory)
+        scores = q @ self.repeat_kv(k).transpose(-1, -2) * 0.35 + _causal(x.shape[1])
+        return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
+
+
+class ValuesFromASecondInput(_Projections):
+    """Queries and keys from the chunk, values from a second input: the values are not the
+    chunk's own, so there is nothing to cache (refused like cross-attention)."""
+
+    def forward(self, x, memory):
+        q, k, _ = self.qkv(x)
+        _, _, v = self.qkv(memory)
         scores = q @ self.repeat_kv(k).transpose(-1, -2) * 0.35 + _causal(x.shape[1])
         return self.out(torch.softmax(scores, dim=-1) @ self.repeat_kv(v))
 
@@ -203,6 +214,7 @@ CASES = [
     (TwoAdditiveMasks, lambda: (torch.randn(2, 9, 32), _padding(2, 9)), None, "2 masks (additive, additive)"),
     (CausalWhereThenPadding, lambda: (torch.randn(2, 9, 32), _padding(2, 9)), None, None),
     (EagerCrossAttention, lambda: (torch.randn(2, 9, 32), torch.randn(2, 9, 32)), None, "cross-attention"),
+    (ValuesFromASecondInput, lambda: (torch.randn(2, 9, 32), torch.randn(2, 9, 32)), None, "cross-attention"),
     (KeyPermutedFromTokensFirst, lambda: (torch.randn(2, 4, 16),), None, "not a transposed key"),
     (KeyTransposedOnOtherAxes, lambda: (torch.randn(2, 4, 16),), None, "not a transposed key"),
     (ScoresAlsoReadElsewhere, lambda: (torch.randn(2, 9, 32),), (4, 5), "attention scores"),

@@ -44,7 +44,8 @@ class _MLABlock(torch.nn.Module):
             idx = torch.arange(t, device=x.device)
             mask = (idx[None, :] <= idx[:, None]) & (idx[None, :] > idx[:, None] - WINDOW)
             return F.scaled_dot_product_attention(q, key, value, attn_mask=mask)
-        return F.scaled_dot_product_attention(q, key, value, is_causal=True)
+        out = F.scaled_dot_product_attention(q, key, value, is_causal=True)
+        return out + key.mean(dim=-1, keepdim=True) if self.how == "key read elsewhere" else out
 
 
 REASONS = {
@@ -53,6 +54,7 @@ REASONS = {
     "scaled rope": "not one shared key expanded over heads",
     "flat latent": "the latent is not one shared",
     "window": "sliding window",
+    "key read elsewhere": "not only by the attention",
 }
 
 
