@@ -24,7 +24,7 @@ that holds another, or a model that counts its positions in another graph than i
 (CTRL; DBRX, whose blocks take the cos/sin): each would attend over a history its positions say
 is not there. `kvtopo::given_positions` raises on it. It also checks positions a graph computes
 from numbers of its own that cannot follow the store (a count from 2, by steps of 2, a table's rows
-from 2): those raise when they start below the stored length.
+from 2): those raise when they start below the stored length plus their start over an empty store.
 """
 
 from __future__ import annotations
@@ -69,28 +69,31 @@ def given_positions(positions: torch.Tensor, model_key: torch.Tensor, fixed: boo
     from them, [..., T, D]) unchanged (a copy); raises inside a session that stores tokens for
     `model_key`'s model when every row of them restarts at 0. `fixed`: integer positions the graph
     computed from numbers of its own (`arange(T) + 2`, `arange(0, 2 * T, 2)`, a table's rows 2..T+1,
-    or a start a cache gave): they do not follow the store, so they raise when every row starts
-    below the stored length, where a continuation's positions begin."""
+    or a start a cache gave): they do not follow the store, so they raise when a row starts below
+    the stored length plus the start they had over an empty store, where a continuation's positions
+    begin (`Session.computed_positions_start`)."""
     session = active_store()
-    if session is not None:
-        stored = session.model_length(model_key)
-        if stored and (starts_below(positions, stored) if fixed else restart_at_zero(positions)):
-            tokens = positions.shape[-1 if _integer(positions) else -2]
-            first = "from " + (str(int(positions.reshape(-1, tokens)[:, 0].min())) if fixed else "0")
-            raise RuntimeError(
-                f"kvtopo: this forward numbers its {tokens} token(s) {first} while the session holds "
-                f"{stored} earlier token(s) of this model: it would attend over a history its positions say is "
-                "not there. A forward that recomputes the whole sequence (generate(use_cache=False)) or starts a "
-                "new prompt needs a new session or session.clear(); a continuation's positions start at the "
-                "stored length (kvtopo.generate and kvtopo.hf_cache pass them)"
-                + (". These positions are computed in the graph from numbers of its own, which kvtopo cannot "
-                   "continue: pass position_ids instead" if fixed else "."))
+    if session is None:
+        return positions.clone()
+    stored = session.model_length(model_key)
+    tokens = positions.shape[-1 if _integer(positions) else -2]
+    if fixed:
+        start = int(positions.reshape(-1, tokens)[:, 0].min())
+        empty_store_start = session.computed_positions_start(model_key, start)  # recorded while the store is empty
+        wrong = bool(stored) and start < stored + empty_store_start
+    else:
+        wrong = bool(stored) and restart_at_zero(positions)
+    if wrong:
+        first = f"from {start}" if fixed else "from 0"
+        raise RuntimeError(
+            f"kvtopo: this forward numbers its {tokens} token(s) {first} while the session holds "
+            f"{stored} earlier token(s) of this model: it would attend over a history its positions say is "
+            "not there. A forward that recomputes the whole sequence (generate(use_cache=False)) or starts a "
+            "new prompt needs a new session or session.clear(); a continuation's positions start at the "
+            "stored length (kvtopo.generate and kvtopo.hf_cache pass them)"
+            + (". These positions are computed in the graph from numbers of its own, which kvtopo cannot "
+               "continue: pass position_ids instead" if fixed else "."))
     return positions.clone()
-
-
-def starts_below(positions: torch.Tensor, stored: int) -> bool:
-    """Every row of integer `positions` ([..., T]) starts below `stored`."""
-    return bool((positions.reshape(-1, positions.shape[-1])[:, 0] < stored).all())
 
 
 def restart_at_zero(positions: torch.Tensor) -> bool:

@@ -30,7 +30,8 @@ row restarts at 0 over a stored history.
 Counts the store cannot continue -- an `arange` from another start or by a step (`arange(T) + 2`,
 `arange(0, 2 * T, 2)`), a table's rows from another row (`pe[2:T + 2]`), or a start a cache gave --
 go through `kvtopo.given_positions(fixed=True)` where their values go on to the rotary angles or a
-table: a session raises when they start below its stored length. A count reaches the rotary angles
+table: a session raises when they start below its stored length plus their start over the empty
+store (`Session.computed_positions_start`). A count reaches the rotary angles
 as a position only linearly (position x frequency): one that gets there only through a power, as
 inverse frequencies computed in forward do (`base ** (-arange(d // 2) / d)`), is no position,
 however long it is.
@@ -408,7 +409,8 @@ def rewrite_sliced_table_sites(gm: fx.GraphModule, sites: list[SlicedTable]) -> 
     """Each `table[start:stop:step]` becomes `table.index_select(dim, op(arange(start, stop, step),
     model_key))`: the same rows outside a session. `op` is `kvtopo.positions` for rows from 0 (the
     rows after the stored history inside a session), `kvtopo.given_positions(fixed=True)` for the
-    others (a session raises when they start below its stored length)."""
+    others (a session raises when they start below its stored length plus their start over the
+    empty store)."""
     graph = gm.graph
     for site in sites:
         value = site.node.meta["example_value"]
@@ -466,7 +468,7 @@ def find_fixed_position_sites(gm: fx.GraphModule) -> list[PositionSite]:
     op's q/k: an `arange` with no tensor argument that no kvtopo op routes yet (a count from 2 or
     by steps of 2, or from a start a cache gave), at each place its values, through views, casts and
     shifts, go on to the rotary angles or a table (checked there by `kvtopo.given_positions(fixed=True)`:
-    positions that start below the stored length raise)."""
+    positions that start below the stored length plus their start over the empty store raise)."""
     fed = _fed_attention(gm.graph)
     sites = []
     for node in gm.graph.nodes if fed else ():

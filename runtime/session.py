@@ -84,6 +84,7 @@ class Session:
         self._mask_passed: _PassedMask | None = None  # the last mask (and arguments) that passed the checks
         self._token = None
         self._models: dict[int, tuple[weakref.ref, str]] = {}  # id(model key) -> (its ref, name)
+        self._computed_starts: dict[str, int] = {}  # model name -> `computed_positions_start` over an empty store
         self._unfinished: dict[int, str] = {}  # sequence -> the error that left part of a chunk stored
         self._forward_layers: set[str] | None = None  # layers attended in the model forward under way
         self.calls = 0
@@ -117,6 +118,7 @@ class Session:
                 cache.release(seq)
         self._batch = None
         self._unfinished.clear()
+        self._computed_starts.clear()
         self.changes += 1
 
     @contextmanager
@@ -335,6 +337,16 @@ class Session:
         columns its forwards attended, padding included (a left-padded row stores fewer tokens)."""
         cache = self._first_layer(model_key)
         return cache.columns if cache is not None else 0
+
+    def computed_positions_start(self, model_key: torch.Tensor, start: int) -> int:
+        """The lowest first position the model's graphs computed from numbers of their own
+        (`kvtopo.given_positions(fixed=True)`) while its store was empty: `start` is recorded when
+        it is. A graph that ignores the store numbers every chunk from there again (`arange(T) + 2`
+        gives 2), so a continuation's positions begin that far past the stored length."""
+        name = self.model_name(model_key)
+        if self.model_length(model_key) == 0:
+            self._computed_starts[name] = min(start, self._computed_starts.get(name, start))
+        return self._computed_starts.get(name, 0)
 
     def _first_layer(self, model_key: torch.Tensor) -> LayerCache | None:
         """The first layer the model `model_key` belongs to has stored (None before its first call)."""
