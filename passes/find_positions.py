@@ -15,7 +15,8 @@ Only a computation that is provably the chunk's positions is rewritten: an `aran
 tensor input, starting at the literal 0, as long as the query's token dimension, or the `cumsum`
 along the token axis of a mask as long as the query, built in the graph as ones or passed by the
 caller (a count of the chunk's real tokens: the full history's count sliced at the store's length
-is the same count plus that length), whose values reach the cos/sin (or `polar`) of a rotary
+is the same count plus that length), or the first T of a buffer the model holds that counts 0, 1, 2,
+... (BERT's `position_ids[:, :T]`, read from the buffer Dynamo was given), whose values reach the cos/sin (or `polar`) of a rotary
 embedding or an index into a table the model holds (GPT-2's, OPT's, BioGPT's learned position
 embeddings) that feeds the query or key of a rewritten kvtopo attention op. A table's first T
 rows taken by a slice (`cos_cached[:T]`, `pe[:T]`, `pos_emb[:, :T]`) and met elementwise by the
@@ -28,7 +29,9 @@ break left in another graph, as CTRL's) goes through `torch.ops.kvtopo.given_pos
 row restarts at 0 over a stored history.
 
 Counts the store cannot continue -- an `arange` from another start or by a step (`arange(T) + 2`,
-`arange(0, 2 * T, 2)`), a table's rows from another row (`pe[2:T + 2]`), or a start a cache gave --
+`arange(0, 2 * T, 2)`), a table's rows from another row (`pe[2:T + 2]`), a held count's from
+another (`position_ids[:, 2:T + 2]`), a `cumsum` of a mask the graph computed (RoBERTa counts its
+token ids that are not padding), or a start a cache gave --
 go through `kvtopo.given_positions(fixed=True)` where their values go on to the rotary angles or a
 table: a session raises when they start below its stored length plus their start over the empty
 store (`Session.computed_positions_start`). A count reaches the rotary angles
@@ -98,23 +101,48 @@ def _zero_based_arange(node: fx.Node) -> bool:
     return len(node.args) == 3 and _is_zero(node.args[0]) and node.args[2] == 1
 
 
+def _cumsum_along_tokens(node: fx.Node) -> bool:
+    """`cumsum(x, dim=-1)` of one tensor along its last axis, where a [B, T] mask has its tokens."""
+    if not is_call(node, torch.cumsum, methods=("cumsum",)) or len(node.all_input_nodes) != 1:
+        return False
+    value = node.meta.get("example_value")
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and dim in (value.dim() - 1, -1)
+
+
 def _count_of_mask(node: fx.Node) -> bool:
     """`cumsum(mask, dim=-1)` of a 2-D mask along its tokens, the mask built in the graph as ones (no
     tensor argument) or passed by the caller: each row counts its real tokens, as OPT numbers them.
     Over a chunk's own mask the count starts at the chunk; the history's count adds what is stored."""
-    if not is_call(node, torch.cumsum, methods=("cumsum",)) or len(node.all_input_nodes) != 1:
+    if not _cumsum_along_tokens(node) or node.meta["example_value"].dim() != 2:
         return False
-    mask, value = node.all_input_nodes[0], node.meta.get("example_value")
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    if not isinstance(value, torch.Tensor) or value.dim() != 2 or dim not in (1, -1):
-        return False
+    mask = node.all_input_nodes[0]
     built_as_ones = is_call(mask, torch.ones) and not _tensor_args(mask)
     passed = mask.op == "placeholder" and not model_tensor(mask)
     return built_as_ones or passed
 
 
+def _held_count_slice(node: fx.Node) -> slice | None:
+    """The last axis's slice of `buffer[..., a:b]` (only full slices before it) when the buffer the
+    model holds counts 0, 1, 2, ... along its last axis in every row (BERT's `position_ids`
+    buffer): its values are the count from `a`. Read from the buffer Dynamo was given."""
+    if not is_call(node, operator.getitem) or not isinstance(node.args[0], fx.Node):
+        return None
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if not index or not all(isinstance(i, slice) for i in index) or any(i != slice(None) for i in index[:-1]):
+        return None
+    example = getattr(node.args[0].meta.get("grapharg"), "example", None)
+    if not model_tensor(node.args[0]) or not isinstance(example, torch.Tensor) or len(index) != example.dim():
+        return None
+    if example.is_floating_point() or example.is_complex() or example.numel() == 0:
+        return None
+    count = torch.arange(example.shape[-1], device=example.device).expand_as(example)
+    return index[-1] if torch.equal(example.to(count.dtype), count) else None
+
+
 def _chunk_length(node: fx.Node) -> str | None:
-    """The token count of a position computation: an arange's length, a count's row length."""
+    """The token count of a position computation: an arange's length, a count's row length, a
+    held count's first T (`position_ids[:, :T]`)."""
     value = node.meta.get("example_value")
     if not isinstance(value, torch.Tensor):
         return None
@@ -122,6 +150,9 @@ def _chunk_length(node: fx.Node) -> str | None:
         return str(value.shape[0])
     if _count_of_mask(node):
         return str(value.shape[1])
+    rows = _held_count_slice(node)
+    if rows is not None and _is_zero(rows.start or 0) and rows.step in (None, 1):
+        return str(value.shape[-1])
     return None
 
 
@@ -180,7 +211,7 @@ def _is_rotary(node: fx.Node) -> bool:
 
 
 _SAME_VALUES = ("view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "contiguous", "clone",
-                "to", "long", "int", "type")
+                "to", "long", "int", "type", "type_as")
 
 
 def _same_values(user: fx.Node, node: fx.Node) -> bool:
@@ -210,9 +241,9 @@ def _keeps_positions(user: fx.Node, node: fx.Node) -> bool:
 
 def _counted_mask(node: fx.Node):
     """The mask a count (`cumsum(mask)`) counts, seen through the views and casts after it."""
-    while not _count_of_mask(node) and node.op in ("call_function", "call_method") and node.all_input_nodes:
+    while not _cumsum_along_tokens(node) and node.op in ("call_function", "call_method") and node.all_input_nodes:
         node = node.all_input_nodes[0]
-    return node.all_input_nodes[0] if _count_of_mask(node) else None
+    return node.all_input_nodes[0] if _cumsum_along_tokens(node) else None
 
 
 def _row_index(index):
@@ -463,6 +494,23 @@ def _count_ends(count: fx.Node) -> list[tuple[fx.Node, list[fx.Node]]]:
     return ends
 
 
+def _computed_count(node: fx.Node) -> str | None:
+    """The token count of integers the graph counts from numbers of its own, which no store
+    follows: an `arange` with no tensor argument, a slice of a held count (`position_ids[:, 2:T + 2]`),
+    a `cumsum` along the tokens of a mask other than a chunk's own (RoBERTa counts its token ids
+    that are not padding)."""
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.is_floating_point():
+        return None
+    if is_call(node, torch.arange):
+        return str(value.shape[0]) if value.dim() == 1 and not _tensor_args(node) else None
+    if _held_count_slice(node) is not None:
+        return str(value.shape[-1])
+    if _cumsum_along_tokens(node) and not _count_of_mask(node):
+        return str(value.shape[-1])
+    return None
+
+
 def find_fixed_position_sites(gm: fx.GraphModule) -> list[PositionSite]:
     """Every count the store cannot continue whose cos/sin or table rows reach a kvtopo attention
     op's q/k: an `arange` with no tensor argument that no kvtopo op routes yet (a count from 2 or
@@ -472,13 +520,11 @@ def find_fixed_position_sites(gm: fx.GraphModule) -> list[PositionSite]:
     fed = _fed_attention(gm.graph)
     sites = []
     for node in gm.graph.nodes if fed else ():
-        value = node.meta.get("example_value")
-        if not is_call(node, torch.arange) or _tensor_args(node) or not isinstance(value, torch.Tensor) or value.dim() != 1:
-            continue
-        for end, users in _count_ends(node):
+        tokens = _computed_count(node)
+        for end, users in _count_ends(node) if tokens is not None else ():
             if any(is_call(user, *_ROUTED) for user in users):
                 continue
-            site = _site(end, str(value.shape[0]), fed, users)
+            site = _site(end, tokens, fed, users)
             if site is not None:
                 sites.append(site)
     return sites

@@ -311,6 +311,12 @@ def _learned_positions_model(name: str, impl: str) -> torch.nn.Module:
             hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128, vocab_size=256,
             embedding_size=64, max_position_embeddings=256, is_decoder=True, hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0, pad_token_id=0),
+        # BERT and RoBERTa as decoders: BERT slices a buffer holding 0, 1, 2, ...; RoBERTa counts its
+        # token ids that are not padding, from padding_idx + 1
+        **{name: (lambda cls=cls: cls(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128,
+                                      is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                      **small))
+           for name, cls in (("bert", transformers.BertConfig), ("roberta", transformers.RobertaConfig))},
     }[name]()
     config._attn_implementation = impl
     torch.manual_seed(0)
@@ -318,10 +324,11 @@ def _learned_positions_model(name: str, impl: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("name,impl", [("gpt2", "sdpa"), ("gpt2", "eager"), ("opt", "eager"), ("biogpt", "sdpa"),
-                                       ("gpt_bigcode", "sdpa"), ("roformer", "eager")])
+                                       ("gpt_bigcode", "sdpa"), ("roformer", "eager"), ("bert", "sdpa")])
 def test_learned_position_tables_continue_from_the_store(name, impl):
-    """GPT-2 / GPTBigCode / BioGPT number a chunk `arange(T) + 0`, OPT counts a mask of ones; the
-    table rows they pick must continue from the store as they do from HF's cache."""
+    """GPT-2 / GPTBigCode / BioGPT number a chunk `arange(T) + 0`, OPT counts a mask of ones, BERT
+    takes its `position_ids` buffer's first T; the table rows they pick must continue from the
+    store as they do from HF's cache."""
     model = _learned_positions_model(name, impl)
     ids = _ids(seed=5, length=50)
     expected = _full_logits(model, ids)
@@ -332,6 +339,28 @@ def test_learned_position_tables_continue_from_the_store(name, impl):
         assert s.stats().tokens == (50,)
     assert all(r.positions == 1 for r in REPORTS) and not any(r.refusals for r in REPORTS), REPORTS
     torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-4, rtol=0)
+
+
+def test_a_count_of_the_token_ids_raises_on_the_next_chunk_and_generate_equals_hf():
+    """RoBERTa counts its token ids that are not padding (from padding_idx + 1), a count kvtopo
+    cannot continue: a second chunk without `position_ids` raises instead of restarting;
+    `kvtopo.generate` passes them, as HF's generate does, and gives HF's logits."""
+    model = _learned_positions_model("roberta", "sdpa")
+    ids = _ids(seed=6, length=20).clamp(min=2)  # no padding id (1) in the prompt: HF's generate would mask it
+    with torch.no_grad():
+        expected = model(ids).logits
+        hf = model.generate(ids[:, :12], max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=1,
+                            output_scores=True, return_dict_in_generate=True)
+    kvtopo.compile(model, inductor=False)
+    with torch.no_grad():
+        with kvtopo.session(kvtopo.Config.lossless()):
+            torch.testing.assert_close(model(input_ids=ids[:, :12]).logits, expected[:, :12], atol=1e-4, rtol=0)
+            with pytest.raises(RuntimeError, match="numbers its 8 token.*while the session holds 12.*pass position_ids"):
+                model(input_ids=ids[:, 12:])
+        out, logits = kvtopo.generate(model, ids[:, :12], 8, config=kvtopo.Config.lossless(), return_logits=True,
+                                      eos_token_id=None, do_sample=False, prefill_chunk_size=5)
+    assert torch.equal(out, hf.sequences)
+    torch.testing.assert_close(logits, torch.stack(hf.scores, 1), atol=1e-4, rtol=0)
 
 
 def test_a_count_of_the_callers_mask_continues_from_the_store():
