@@ -415,7 +415,8 @@ class _UncompressedForward:
     """The model's own generation, outside the session, for a model none of whose attention was
     rewritten or that keeps state outside attention: an HF model keeps the cache it makes itself
     (the one its layer types need: attention, Mamba, convolutions), handed back under the name its
-    forward takes; another module recomputes the whole sequence."""
+    forward takes, its inputs prepared by its own `prepare_inputs_for_generation` as HF's generate
+    prepares them; another module recomputes the whole sequence."""
 
     def __init__(self, model, why: str):
         self.model = model
@@ -431,10 +432,12 @@ class _UncompressedForward:
         grow = lambda held, new: new if held is None else torch.cat([held, new], 1)  # noqa: E731
         self.ids, self.positions, self.valid = grow(self.ids, ids), grow(self.positions, positions), grow(self.valid, valid)
         with context.suspended():
-            if self.cache_argument is not None:
+            if self.cache_argument is not None:  # the inputs HF's generate gives the model (Mamba's: no mask after the prompt)
                 held = {} if self.cache is None else {self.cache_argument: self.cache}
-                out = self.model(input_ids=ids, position_ids=positions, attention_mask=self.valid.long(),
-                                 use_cache=True, **held)
+                inputs = self.model.prepare_inputs_for_generation(
+                    self.ids, next_sequence_length=ids.shape[1], attention_mask=self.valid.long(), use_cache=True,
+                    is_first_iteration=self.cache is None, position_ids=self.positions, **held)
+                out = self.model(**inputs)
                 self.cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
                 if self.cache is None:
                     raise RuntimeError(

@@ -199,6 +199,25 @@ def test_generate_runs_a_hybrid_model_on_its_own_cache():
         assert torch.equal(kvtopo.generate(model, ids, max_new_tokens=6), expected)
 
 
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_generate_runs_a_mamba_model_on_its_own_cache_with_the_inputs_hf_gives_it(chunk):
+    """HF's Mamba takes no attention mask after the prompt (its `prepare_inputs_for_generation`
+    drops it); given the whole mask at each step it mixed a step's token with the mask's length
+    of copies, wrong from the second step on, silently."""
+    config = transformers.MambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2,
+                                      initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.MambaForCausalLM(config).eval()
+    ids = torch.randint(3, 64, (1, 15), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hf = model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    kvtopo.compile(model, inductor=False)
+    with pytest.warns(UserWarning, match=r"keeps state outside attention \(MambaMixer"):
+        out, logits = kvtopo.generate(model, ids, 6, return_logits=True, prefill_chunk_size=chunk)
+    assert torch.equal(out, hf.sequences)
+    torch.testing.assert_close(logits, torch.stack(hf.scores, 1), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3-moe", "deepseek-v3", "gpt2", "gemma3", "gpt-oss"])
 def test_attention_only_models_are_not_taken_for_hybrids(name):
     from kvtopo.models import zoo
