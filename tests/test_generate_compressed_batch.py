@@ -1,11 +1,11 @@
 """kvtopo.generate of a left-padded batch under a compressing config: each row's store keeps what
 the row generated alone keeps (its chunked prompt budgeted and held for its own real length, not
-the batch's width), right after the prefill (one new token: no decode forward, which would rank the pages again)."""
-
-import torch
+the batch's width), right after the prefill (one new token: no decode forward, which would rank
+the pages again)."""
 
 import kvtopo
 from kvtopo.models import zoo
+from left_padding import left_padded
 
 CONFIG = kvtopo.Config(page_size=16, sink_tokens=16, recent_tokens=32, prefill_chunk_size=32)
 NEW = 1  # no decode forward: the store as the prefill left it
@@ -17,14 +17,7 @@ def _kept(session, seq):
 
 def test_a_padded_compressed_batch_keeps_per_row_what_each_row_keeps_alone():
     compiled = kvtopo.compile(zoo.build("llama"), inductor=False)
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (150, 70, 101)]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, p in enumerate(prompts):  # left padding
-        ids[row, width - len(p):] = p
-        mask[row, width - len(p):] = 1
+    ids, mask, prompts = left_padded((150, 70, 101), seed=2)
     with kvtopo.session(CONFIG) as s:
         kvtopo.generate(compiled, ids, NEW, attention_mask=mask, eos_token_id=None)
         assert s.stats().tokens == tuple(len(p) + NEW - 1 for p in prompts)

@@ -11,6 +11,7 @@ import torch
 
 import kvtopo
 from kvtopo.models import zoo
+from left_padding import left_padded
 
 PROMPT, STEPS = 24, 24
 LOSSLESS = kvtopo.Config.lossless(prefill_chunk_size=16)
@@ -104,18 +105,6 @@ def test_a_list_of_eos_stops_at_the_first_one_emitted(models):
     assert _kvtopo(compiled, ids, eos_token_id=(late,))[0].shape == (1, PROMPT + late_stop + 1)
 
 
-def _left_padded(lengths, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in lengths]
-    width = max(lengths)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = p
-        mask[row, width - len(p):] = 1
-    return ids, mask
-
-
 def _eos_that_stops_row0_first(free: list[list[int]], start: int = 2) -> tuple[int, int]:
     """A token row 0 emits (first) after `start` that row 1 never emits: row 0 stops, row 1 runs on."""
     for i in range(start, STEPS - 2):
@@ -127,7 +116,7 @@ def _eos_that_stops_row0_first(free: list[list[int]], start: int = 2) -> tuple[i
 
 def test_batch_pads_the_row_that_stopped_and_runs_the_other_on(models):
     ref, compiled = models
-    ids, mask = _left_padded((17, PROMPT), seed=5)
+    ids, mask, _ = left_padded((17, PROMPT), seed=5)
     free = _free_run(compiled, ids, mask)
     eos, stop = _eos_that_stops_row0_first(free)
     pad = next(t for t in range(256) if t != eos)
@@ -156,7 +145,7 @@ def test_a_stopped_row_is_padded_with_the_first_listed_eos(models):
     """With a list of eos ids and no pad id HF pads with the list's first, here one neither row
     emits (not the one row 0 stopped on)."""
     ref, compiled = models
-    ids, mask = _left_padded((17, PROMPT), seed=5)
+    ids, mask, _ = left_padded((17, PROMPT), seed=5)
     free = _free_run(compiled, ids, mask)
     eos, stop = _eos_that_stops_row0_first(free)
     first = next(t for t in range(256) if t not in free[0] and t not in free[1])
@@ -169,7 +158,7 @@ def test_a_stopped_row_is_padded_with_the_first_listed_eos(models):
 
 def test_batch_ends_early_when_every_row_has_stopped(models):
     ref, compiled = models
-    ids, mask = _left_padded((17, PROMPT), seed=9)
+    ids, mask, _ = left_padded((17, PROMPT), seed=9)
     free = _free_run(compiled, ids, mask)
     eos0, stop0 = _eos_that_stops_row0_first(free, start=4)
     # Row 1 stops a few steps later, on a token row 0 did not emit before its own stop.

@@ -1,10 +1,16 @@
 """Lossless sessions reproduce the uncompiled model's HF generate exactly, on every zoo model."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import kvtopo
 from kvtopo.models import zoo
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from left_padding import left_padded  # noqa: E402
 
 MODELS = [n for n in zoo.ZOO_MODELS if n != "llama-8layer"]
 PROMPT, STEPS = 200, 64
@@ -39,21 +45,14 @@ def test_lossless_generate_matches_hf_generate(name):
 def test_batch_of_different_lengths_equals_one_at_a_time(name):
     model = zoo.build(name)
     compiled = kvtopo.compile(model, inductor=False)
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (37, 90, 64)]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, p in enumerate(prompts):  # left padding
-        ids[row, width - len(p):] = p
-        mask[row, width - len(p):] = 1
+    ids, mask, prompts = left_padded((37, 90, 64), seed=2)
     config = kvtopo.Config.lossless(prefill_chunk_size=32)
     with kvtopo.session(config) as s:
         batched, batched_logits = kvtopo.generate(compiled, ids, 20, attention_mask=mask, return_logits=True)
         assert s.stats().tokens == tuple(len(p) + 19 for p in prompts)
     for row, p in enumerate(prompts):
         single, single_logits = kvtopo.generate(compiled, p[None], 20, config=config, return_logits=True)
-        assert torch.equal(batched[row, width:], single[0, len(p):])
+        assert torch.equal(batched[row, ids.shape[1]:], single[0, len(p):])
         torch.testing.assert_close(batched_logits[row], single_logits[0], atol=1e-4, rtol=0)
 
 

@@ -5,8 +5,8 @@ not the bytes held before the release -- with those, the offloading manager, whi
 one by one and asks again after each, would never see room appear and would evict every request
 but one."""
 
+from contextlib import contextmanager
 
-import torch
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from kvtopo.config import Config
@@ -17,9 +17,11 @@ from kvtopo.serving.continuous_batching import KvtopoBatchingManager, ledger_blo
 from test_continuous_batching import GREEDY, _prompts
 
 
-def test_free_capacity_right_after_a_release_counts_the_released_bytes():
+@contextmanager
+def _two_requests_three_steps_in(budget: int):
+    """An engine over a compressing session holding two requests (40 and 50 tokens) three loop
+    steps in: (the active session, the batch processor)."""
     prompts = _prompts((40, 50), seed=8)
-    budget = 10 ** 7
     session = Session(Config(page_size=16, sink_tokens=16, recent_tokens=16))
     engine = ContinuousBatchingConfig(num_blocks=ledger_blocks([len(p) + 50 for p in prompts], 16), page_size=16,
                                       max_batch_tokens=512, safety_margin=0.0)
@@ -31,6 +33,12 @@ def test_free_capacity_right_after_a_release_counts_the_released_bytes():
             manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=50)
         for _ in range(3):
             manager._generation_loop_body(processor, bootstrapping=False)
+        yield session, processor
+
+
+def test_free_capacity_right_after_a_release_counts_the_released_bytes():
+    budget = 10 ** 7
+    with _two_requests_three_steps_in(budget) as (session, processor):
         cache = processor.cache
         assert len(cache.sequence_of) == 2
         before = cache.compute_free_capacity(relative=False)
@@ -46,18 +54,7 @@ def test_starved_requests_are_counted_against_what_the_budget_leaves_in_turn():
     """`count_storable_requests` (the offloading manager evicts until every starved request fits):
     with room for the first starved request's next 16 tokens and half the second's, one fits,
     not both (each admitted one's bytes are taken from what is left before the next is asked)."""
-    prompts = _prompts((40, 50), seed=8)
-    session = Session(Config(page_size=16, sink_tokens=16, recent_tokens=16))
-    engine = ContinuousBatchingConfig(num_blocks=ledger_blocks([len(p) + 50 for p in prompts], 16), page_size=16,
-                                      max_batch_tokens=512, safety_margin=0.0)
-    manager = KvtopoBatchingManager(zoo.build("llama"), session, GREEDY, engine, kv_budget_bytes=10 ** 7)
-    with session:
-        processor = manager._create_batch_processor()
-        manager.batch_processor, manager.current_batch = processor, 0
-        for i, prompt in enumerate(prompts):
-            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=50)
-        for _ in range(3):
-            manager._generation_loop_body(processor, bootstrapping=False)
+    with _two_requests_three_steps_in(10 ** 7) as (session, processor):
         cache = processor.cache
         states = [processor.scheduler.active_requests[f"r{i}"] for i in range(2)]
         costs = [cache._cost(state, 16, {})[0] for state in states]
