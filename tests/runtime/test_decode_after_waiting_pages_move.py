@@ -9,22 +9,10 @@ import torch
 
 import kvtopo
 from kvtopo.runtime.phases import Phase
+from segments_reference import float64_decode
 
 HQ, HKV, D = 4, 2, 16
 SCALE = D**-0.5
-
-
-def _reference(cache, seq, q, k_new, v_new):
-    seg = cache.segments(seq)
-    keys, values = [k_new], [v_new]
-    for part in (seg.exact, seg.recent, seg.mid):
-        if part is not None:
-            keys.append(part[0])
-            values.append(part[1])
-    assert not seg.retired and not seg.mid_projected
-    kk = torch.cat(keys, 1).double().repeat_interleave(HQ // HKV, 0)
-    vv = torch.cat(values, 1).double().repeat_interleave(HQ // HKV, 0)
-    return torch.softmax(q.double() @ kk.transpose(1, 2) * SCALE, -1) @ vv
 
 
 def test_decode_after_a_last_chunk_that_opens_no_page_reads_each_token_once():
@@ -44,6 +32,6 @@ def test_decode_after_a_last_chunk_that_opens_no_page_reads_each_token_once():
         assert len(pages) == count and any(p.phase is Phase.MID for p in pages)  # moved without a new page
         for t in range(54, total):
             sl = slice(t, t + 1)
-            expected = _reference(cache, 0, q[:, sl], k[:, sl], v[:, sl])
+            expected = float64_decode(cache, 0, q[:, sl], k[:, sl], v[:, sl], SCALE)
             out = s.attend_sequence("l", 0, q[:, sl], k[:, sl], v[:, sl], SCALE)
             torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5, msg=f"step at {t}")

@@ -5,22 +5,12 @@ the store's segments decompress to (exact, Recent, every Mid epoch, retired ones
 import torch
 
 import kvtopo
+from segments_reference import explicit_kv
 
 HQ, HKV, D = 4, 2, 4
 SCALE = D**-0.5
 CONFIG = kvtopo.Config(page_size=8, sink_tokens=8, recent_tokens=8, target_ratio=None, key_energy=0.9,
                        value_energy=0.9, refit_after=16, mid_bits=4, recent_bits=8)
-
-
-def _explicit_kv(seg):
-    ks, vs = [seg.exact[0]], [seg.exact[1]]
-    if seg.recent is not None:
-        ks.append(seg.recent[0])
-        vs.append(seg.recent[1])
-    for mk, mv in seg.retired + ((seg.mid,) if seg.mid is not None else ()):
-        ks.append(mk.coefficients @ mk.vectors.transpose(1, 2) + mk.mean[:, None])
-        vs.append(mv.coefficients @ mv.vectors.transpose(1, 2) + mv.mean[:, None])
-    return torch.cat(ks, 1), torch.cat(vs, 1)
 
 
 def test_decode_steps_after_a_refit_attend_the_retired_epoch_too():
@@ -32,7 +22,7 @@ def test_decode_steps_after_a_refit_attend_the_retired_epoch_too():
         checked_retired = 0
         for t in range(42, 110):
             seg = cache.segments(0)
-            keys, values = _explicit_kv(seg)
+            keys, values = explicit_kv(seg)
             kk = torch.cat([keys, k[:, t:t + 1]], 1).double().repeat_interleave(HQ // HKV, 0)
             vv = torch.cat([values, v[:, t:t + 1]], 1).double().repeat_interleave(HQ // HKV, 0)
             expected = torch.softmax(q[:, t:t + 1].double() @ kk.transpose(1, 2) * SCALE, -1) @ vv

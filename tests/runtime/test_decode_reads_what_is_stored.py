@@ -8,24 +8,11 @@ import pytest
 import torch
 
 import kvtopo
+from segments_reference import float64_decode
 
 HQ, HKV, D = 4, 2, 16
 SCALE = D**-0.5
 PROMPT, STEPS = 40, 30
-
-
-def _reference(cache, seq, q, k_new, v_new):
-    """float64 attention of q [Hq, 1, d] over the stored segments of `seq` and the new token."""
-    seg = cache.segments(seq)
-    keys, values = [k_new], [v_new]
-    for part in (seg.exact, seg.recent, seg.mid):
-        if part is not None:
-            keys.append(part[0])
-            values.append(part[1])
-    assert not seg.retired and not seg.mid_projected
-    kk = torch.cat(keys, 1).double().repeat_interleave(HQ // HKV, 0)
-    vv = torch.cat(values, 1).double().repeat_interleave(HQ // HKV, 0)
-    return torch.softmax(q.double() @ kk.transpose(1, 2) * SCALE, -1) @ vv
 
 
 @pytest.mark.parametrize("fields", [
@@ -43,7 +30,7 @@ def test_every_decode_step_reads_the_rows_the_store_holds_before_it(fields):
         cache = s.layers["l"]
         for t in range(PROMPT, PROMPT + STEPS):
             sl = slice(t, t + 1)
-            expected = _reference(cache, 0, q[:, sl], k[:, sl], v[:, sl])
+            expected = float64_decode(cache, 0, q[:, sl], k[:, sl], v[:, sl], SCALE)
             mid_pages.append(sum(p.kept is not None for p in cache.sequences[0].pages))
             out = s.attend_sequence("l", 0, q[:, sl], k[:, sl], v[:, sl], SCALE)
             torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5, msg=f"step at {t}")

@@ -15,6 +15,7 @@ from kvtopo.runtime.policies import make_policy
 from kvtopo.runtime.policies.topo import (ANCHOR_REACH, SUCCESSORS, anchor_reach, carry_forward, low_norm_prior,
                                           successor_credit, topo_scores)
 
+from segments_reference import explicit_kv
 from store_walk import held_tensor_bytes
 
 
@@ -114,18 +115,6 @@ def test_float_mid_decodes_like_lossless():
     torch.testing.assert_close(logits, lossless_logits, atol=1e-5, rtol=0)
 
 
-def _explicit_kv(seg):
-    """Exact, Recent and every Mid epoch of a Segments, decompressed to explicit K/V."""
-    ks, vs = [seg.exact[0]], [seg.exact[1]]
-    if seg.recent is not None:
-        ks.append(seg.recent[0])
-        vs.append(seg.recent[1])
-    for mk, mv in seg.retired + ((seg.mid,) if seg.mid is not None else ()):
-        ks.append(mk.coefficients @ mk.vectors.transpose(1, 2) + mk.mean[:, None])
-        vs.append(mv.coefficients @ mv.vectors.transpose(1, 2) + mv.mean[:, None])
-    return torch.cat(ks, 1), torch.cat(vs, 1)
-
-
 def test_compressed_segments_attend_like_their_decompressed_kv():
     """Attention in a session with Recent/Mid pages equals exact attention over the K/V the
     store would decompress to (same codes), within float32 rounding."""
@@ -140,7 +129,7 @@ def test_compressed_segments_attend_like_their_decompressed_kv():
         cache = s.layers["l"]
         seg = cache.segments(0)
         assert seg.recent is not None and isinstance(seg.mid[0], LowRankHeads)
-        stored_k, stored_v = _explicit_kv(seg)
+        stored_k, stored_v = explicit_kv(seg)
         new_k, new_v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
         out = s.attend("l", q, new_k, new_v, None, 0.25)
     keys = torch.cat([stored_k, new_k[0]], 1).double().repeat_interleave(2, 0)
@@ -172,7 +161,7 @@ def test_topo_refits_its_bases_each_time_the_sequence_doubles():
         assert entry.retired == [mid for _, mid in fits[:-1]] and all(m.tokens for m in entry.retired)
         assert len({id(m.key_bases) for _, m in fits}) == 4
         assert s.stats().total_bytes == held_tensor_bytes(cache)
-        keys, values = _explicit_kv(cache.segments(0))
+        keys, values = explicit_kv(cache.segments(0))
         new_q, new_k, new_v = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16)
         out_chunk = s.attend("l", new_q[:, :, :1].expand(1, 4, 2, 16).contiguous(), new_k[:, :, :1].expand(1, 2, 2, 16).contiguous(),
                              new_v[:, :, :1].expand(1, 2, 2, 16).contiguous(), None, 0.25)
