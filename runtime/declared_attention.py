@@ -24,7 +24,10 @@ is any call that continues a hybrid model.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
+import sys
 import weakref
 from typing import NamedTuple
 
@@ -41,6 +44,9 @@ class Rescaled(NamedTuple):
 
 class Declared(NamedTuple):
     window: int | None = None  # sliding window (tokens, the query's own included)
+    # `config.sliding_window` without `layer_types` where the model's code builds no window mask
+    # kvtopo knows (`_applies_config_window`): the model may or may not attend within it
+    window_unknown: int | None = None
     blocks: int | None = None  # attends within blocks of this many tokens (attention_chunk_size)
     bidirectional: bool = False  # the module says it is not causal (`is_causal = False`)
     rescaled: Rescaled | None = None  # LongRoPE's or dynamic NTK's rescaling (`check_rescaled`)
@@ -170,14 +176,40 @@ def _temperature_tuning(module: torch.nn.Module) -> int | None:
     return None
 
 
-def _declared_for(module: torch.nn.Module, config, index: int) -> Declared:
+# HF's mask builders that apply `config.sliding_window` to a model whose config has no `layer_types`.
+_CONFIG_WINDOW_MASKS = re.compile(r"\b(create_sliding_window_causal_mask|create_masks_for_generate|"
+                                  r"sliding_window_causal_mask_function|sliding_window_overlay)\b")
+
+
+@functools.cache
+def _builds_config_window_mask(module_name: str) -> bool:
+    source_module = sys.modules.get(module_name)
+    try:
+        source = inspect.getsource(source_module) if source_module is not None else ""
+    except (OSError, TypeError):  # no source to read (a REPL, a frozen module)
+        source = ""
+    return bool(_CONFIG_WINDOW_MASKS.search(source))
+
+
+def _applies_config_window(model: torch.nn.Module) -> bool:
+    """Whether the code of `model`'s modules builds its masks with HF's window builders, which read
+    `config.sliding_window` (Mistral's does). A config may declare a window its model never applies
+    (Moshi's text decoder keeps `sliding_window` and masks causally): without `layer_types` the
+    config alone cannot say which."""
+    return any(_builds_config_window_mask(name) for name in {type(m).__module__ for m in model.modules()})
+
+
+def _declared_for(module: torch.nn.Module, config, index: int, applies_config_window: bool) -> Declared:
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
-    kind = layer_types[index] if layer_types and index < len(layer_types) else (
-        "sliding_attention" if window else "full_attention")
+    if layer_types and index < len(layer_types):
+        kind = layer_types[index]
+    else:
+        kind = "full_attention" if not window else "sliding_attention" if applies_config_window else "unknown"
     blocks = getattr(config, "attention_chunk_size", None)
     return Declared(
         window=window if kind == "sliding_attention" and isinstance(window, int) else None,
+        window_unknown=window if kind == "unknown" and isinstance(window, int) else None,
         blocks=blocks if kind == "chunked_attention" and isinstance(blocks, int) else None,
         bidirectional=getattr(module, "is_causal", True) is False,
         rescaled=_rescaled(config, kind),
@@ -188,15 +220,16 @@ def _declared_for(module: torch.nn.Module, config, index: int) -> Declared:
 def declare(model: torch.nn.Module) -> str | None:
     """Register what `model`'s config says of its attention modules (HF modules with a
     `layer_idx`): windows and blocks (`config.layer_types`, else `config.sliding_window` for every
-    layer), modules that are not causal, LongRoPE's and dynamic NTK's rescaling, state a hybrid
+    layer when the model's code applies it, `_applies_config_window`), modules that are not causal, LongRoPE's and dynamic NTK's rescaling, state a hybrid
     keeps elsewhere.
     Returns that state outside attention (`state_outside_attention`), None if there is none."""
     model = getattr(model, "_orig_mod", model)  # what torch.compile wraps: its names are the graph's
     layers, state_elsewhere = {}, state_outside_attention(model)
+    applies_config_window = _applies_config_window(model)
     for name, module in model.named_modules():
         config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
         if config is not None and isinstance(index, int) and "Attention" in type(module).__name__:
-            layers[name] = _declared_for(module, config, index)
+            layers[name] = _declared_for(module, config, index, applies_config_window)
     if state_elsewhere is not None or any(found != Declared() for found in layers.values()):
         for name, parameter in model.named_parameters():
             owner, held = name.rpartition(".")[0], _DECLARED.get(id(parameter))

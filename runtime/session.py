@@ -596,7 +596,7 @@ def _check_continuation(layer: str, declared: declared_attention.Declared, store
     new `chunk`: a hybrid's state outside attention (any continuation); RoPE that HF rescales from a
     call's length (`declared_attention.check_rescaled`: LongRoPE's switch of factors, dynamic NTK);
     Llama-4's temperature tuning (positions counted from 0 without a cache, so exact only below
-    `floor_scale`)."""
+    `floor_scale`); a config window its model may not apply (`Declared.window_unknown`), past it."""
     if not stored:
         return
     if declared.state_elsewhere is not None:
@@ -605,6 +605,14 @@ def _check_continuation(layer: str, declared: declared_attention.Declared, store
                          "only a single forward of the whole sequence is exact (kvtopo.generate falls back to the "
                          "model's own cache)")
     declared_attention.check_rescaled(layer, declared.rescaled, stored, chunk)
+    unknown = declared.window_unknown
+    if unknown is not None and stored + chunk > unknown:
+        raise ValueError(f"attention site {layer!r}: its config declares sliding_window={unknown} without "
+                         "layer_types, and its model's code builds no sliding-window mask kvtopo knows (HF's "
+                         "create_sliding_window_causal_mask), so whether it attends only within its last "
+                         f"{unknown} tokens cannot be told; a session cannot continue {stored} stored tokens "
+                         f"past {unknown}. Set config.layer_types ('sliding_attention' or 'full_attention' for "
+                         "each layer) to say which")
     tuned = declared.temperature_from
     if tuned is not None and stored + chunk >= tuned:
         raise ValueError(f"attention site {layer!r} scales its queries by a factor of their position from position "

@@ -384,7 +384,8 @@ class _WindowedAttention(torch.nn.Module):
 
     def __init__(self, window, index):
         super().__init__()
-        self.config, self.layer_idx = type("Config", (), {"sliding_window": window})(), index
+        declared = {"sliding_window": window, "layer_types": ["sliding_attention"] * (index + 1)}
+        self.config, self.layer_idx = type("Config", (), declared)(), index
         self.proj = torch.nn.Linear(4, 4)
 
 
@@ -405,3 +406,53 @@ def test_a_name_relative_to_a_submodule_that_two_layers_match_declares_nothing()
     assert window(in_sub, "attn") is None  # block.attn and block.sub.attn both hold block.sub.mlp
     assert window(in_sub, "sub.attn") == 8
     assert window(in_attn, "attn") == 4
+
+
+WINDOW = 6
+
+
+def _moshi_text_decoder(**config_overrides):
+    """Moshi's text decoder: its config declares `sliding_window` (no `layer_types`), and its mask
+    never applies it (HF's `create_causal_mask`): every token sees the whole history."""
+    config = transformers.MoshiConfig(vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=4, head_dim=16, ffn_dim=128, sliding_window=WINDOW,
+                                      max_position_embeddings=256, initializer_range=0.2, pad_token_id=0,
+                                      bos_token_id=1, eos_token_id=2, **config_overrides)
+    torch.manual_seed(0)
+    return transformers.MoshiForCausalLM(config).eval()
+
+
+def test_a_config_window_the_model_never_applies_is_refused_past_it_not_applied():
+    """Taken as every layer's window, Moshi's declared window made chunks no longer than it attend
+    within it: wrong, no error. A config window without `layer_types` now counts only where the
+    model's code builds HF's sliding-window masks (Mistral's does); elsewhere a session goes up to
+    the window, where either reading gives the same tokens, and refuses to continue past it."""
+    model = _moshi_text_decoder()
+    ids = torch.randint(3, 150, (1, 2 * WINDOW), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(ids).logits
+    kvtopo.compile(model, inductor=False)
+    with torch.no_grad(), kvtopo.session(kvtopo.Config.lossless()) as session:
+        got = torch.cat([model(ids[:, :4]).logits, model(ids[:, 4:WINDOW]).logits], 1)
+        torch.testing.assert_close(got, expected[:, :WINDOW], rtol=1e-4, atol=1e-4)
+        with pytest.raises(ValueError, match=f"sliding_window={WINDOW} without layer_types.*config.layer_types"):
+            model(ids[:, WINDOW:WINDOW + 1])
+        assert set(session.stats().tokens) == {WINDOW}  # the refused step stored nothing
+
+
+@pytest.mark.parametrize("layer_types", [None, ["full_attention"] * 2])
+def test_layer_types_set_on_such_a_config_say_what_the_model_does(layer_types):
+    """kvtopo.generate past the window: refused as it stands (before, the declared window cut the
+    history, other tokens than HF's generate, no error); with the way out the refusal names,
+    `layer_types` of full attention, it equals HF's generate."""
+    model = _moshi_text_decoder(layer_types=layer_types)
+    ids = torch.randint(3, 150, (1, 4), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=3 * WINDOW, do_sample=False, eos_token_id=None)
+        kvtopo.compile(model, inductor=False)
+        if layer_types is None:
+            with pytest.raises(ValueError, match="without layer_types"):
+                kvtopo.generate(model, ids, 3 * WINDOW, config=kvtopo.Config.lossless(), eos_token_id=None)
+            return
+        got = kvtopo.generate(model, ids, 3 * WINDOW, config=kvtopo.Config.lossless(), eos_token_id=None)
+    assert torch.equal(got, expected)
