@@ -25,7 +25,7 @@ from contextlib import nullcontext
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PretrainedConfig
+from transformers import GenerationMixin, PretrainedConfig
 
 from kvtopo import hf_cache
 from kvtopo.backend import RefusedAttention
@@ -416,7 +416,8 @@ class _UncompressedForward:
     rewritten or that keeps state outside attention: an HF model keeps the cache it makes itself
     (the one its layer types need: attention, Mamba, convolutions), handed back under the name its
     forward takes, its inputs prepared by its own `prepare_inputs_for_generation` as HF's generate
-    prepares them; another module recomputes the whole sequence."""
+    prepares them; another module recomputes the whole sequence, and an HF model whose forward takes
+    no cache too, unless its class prepares its generation steps its own way (XLNet): refused."""
 
     def __init__(self, model, why: str):
         self.model = model
@@ -426,6 +427,12 @@ class _UncompressedForward:
         if isinstance(getattr(model, "config", None), PretrainedConfig):
             accepted = inspect.signature(model.forward).parameters
             self.cache_argument = next((name for name in ("cache", "past_key_values") if name in accepted), None)
+            if self.cache_argument is None and _prepares_its_own_steps(model):
+                raise ValueError(
+                    f"kvtopo.generate: fell back to the model's own generation because {why}, but "
+                    f"{type(model).__name__}'s forward takes no cache and HF's generate prepares its steps its own "
+                    "way (its prepare_inputs_for_generation; XLNet's predicts through a dummy token, a permutation "
+                    "mask and its mems), which a recompute of the whole sequence does not give; use model.generate")
         self.ids = self.positions = self.valid = None
 
     def __call__(self, ids, positions, valid, prompt_end=None) -> torch.Tensor:  # its own cache keeps every token
@@ -448,6 +455,13 @@ class _UncompressedForward:
                 padding = {} if bool(self.valid.all()) else {"attention_mask": self.valid.long()}
                 out = self.model(input_ids=self.ids, position_ids=self.positions, use_cache=False, **padding)
         return _last_logits(out)
+
+
+def _prepares_its_own_steps(model) -> bool:
+    """Whether `model`'s class writes its own `prepare_inputs_for_generation` rather than
+    GenerationMixin's, which feeds a model without a cache the whole sequence."""
+    own = getattr(type(model), "prepare_inputs_for_generation", None)
+    return own is not None and own is not GenerationMixin.prepare_inputs_for_generation
 
 
 def _select(logits, do_sample, temperature, top_k, top_p, generator) -> torch.Tensor:

@@ -101,6 +101,22 @@ def test_a_bidirectional_model_falls_back_and_says_why_it_cannot_generate():
         kvtopo.generate(model, ids, 3, config=kvtopo.Config.lossless())
 
 
+
+def test_a_model_whose_generation_hf_prepares_its_own_way_and_that_takes_no_cache_is_refused():
+    """XLNet's attention is refused (einsum scores) and its forward takes `mems`, not a cache; HF's
+    generate predicts each token through a dummy token, a permutation mask and the mems it carries,
+    which a recompute of the whole sequence does not give (before: other tokens than HF's, no error)."""
+    import transformers
+
+    config = transformers.XLNetConfig(vocab_size=160, d_model=64, n_layer=2, n_head=4, d_inner=128, pad_token_id=0,
+                                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = kvtopo.compile(transformers.XLNetLMHeadModel(config).eval(), inductor=False)
+    ids = torch.randint(3, 150, (1, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="nothing is compressed"), \
+            pytest.raises(ValueError, match="XLNetLMHeadModel's forward takes no cache.*use model.generate"):
+        kvtopo.generate(model, ids, 4, config=kvtopo.Config.lossless(), eos_token_id=None)
+
 class SharedAcrossAGraphBreak(nn.Module):
     """One attention module called twice per forward (weights shared, as in ALBERT) with a graph
     break between the calls: both graphs name the site alike."""
