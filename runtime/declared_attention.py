@@ -16,7 +16,8 @@ forward Dynamo compiles, so a bare `torch.compile` too) register the model here;
 looks up the attention module it is called for (`Session.attend`; by the graph's first parameter
 when a graph break made Dynamo compile a block or the attention module as a graph of its own, which
 names its site relative to that module): a declared sliding window is applied (exactly what the
-model does; a mask passed in is checked against it), a block layer (Llama-4's `attention_chunk_size`) and a
+model does; a mask passed in is checked against it), one the config declares without saying
+whether the model applies it bounds how far a session goes, a block layer (Llama-4's `attention_chunk_size`) and a
 bidirectional layer are refused when the graph shows no mask, a chunk that carries a stored
 history across LongRoPE's switch or past dynamic NTK's limit is refused (`check_rescaled`), and so
 is any call that continues a hybrid model.
@@ -220,8 +221,8 @@ def _declared_for(module: torch.nn.Module, config, index: int, applies_config_wi
 def declare(model: torch.nn.Module) -> str | None:
     """Register what `model`'s config says of its attention modules (HF modules with a
     `layer_idx`): windows and blocks (`config.layer_types`, else `config.sliding_window` for every
-    layer when the model's code applies it, `_applies_config_window`), modules that are not causal, LongRoPE's and dynamic NTK's rescaling, state a hybrid
-    keeps elsewhere.
+    layer where the model's code applies it, `_applies_config_window`), modules that are not
+    causal, LongRoPE's and dynamic NTK's rescaling, state a hybrid keeps elsewhere.
     Returns that state outside attention (`state_outside_attention`), None if there is none."""
     model = getattr(model, "_orig_mod", model)  # what torch.compile wraps: its names are the graph's
     layers, state_elsewhere = {}, state_outside_attention(model)
