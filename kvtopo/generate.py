@@ -417,7 +417,7 @@ class _UncompressedForward:
     (the one its layer types need: attention, Mamba, convolutions), handed back under the name its
     forward takes, its inputs prepared by its own `prepare_inputs_for_generation` as HF's generate
     prepares them; another module recomputes the whole sequence, and an HF model whose forward takes
-    no cache too, unless its class prepares its generation steps its own way (XLNet): refused."""
+    no cache too, unless HF's generate feeds it other inputs than the sequence (XLNet): refused."""
 
     def __init__(self, model, why: str):
         self.model = model
@@ -427,12 +427,13 @@ class _UncompressedForward:
         if isinstance(getattr(model, "config", None), PretrainedConfig):
             accepted = inspect.signature(model.forward).parameters
             self.cache_argument = next((name for name in ("cache", "past_key_values") if name in accepted), None)
-            if self.cache_argument is None and _prepares_its_own_steps(model):
+            if self.cache_argument is None and not _fed_as_it_is(model):
                 raise ValueError(
                     f"kvtopo.generate: fell back to the model's own generation because {why}, but "
-                    f"{type(model).__name__}'s forward takes no cache and HF's generate prepares its steps its own "
-                    "way (its prepare_inputs_for_generation; XLNet's predicts through a dummy token, a permutation "
-                    "mask and its mems), which a recompute of the whole sequence does not give; use model.generate")
+                    f"{type(model).__name__}'s forward takes no cache and HF's generate feeds it other inputs than "
+                    "the sequence (its prepare_inputs_for_generation; XLNet's predicts through a dummy token, a "
+                    "permutation mask and its mems), which a recompute of the whole sequence does not give; use "
+                    "model.generate")
         self.ids = self.positions = self.valid = None
 
     def __call__(self, ids, positions, valid, prompt_end=None) -> torch.Tensor:  # its own cache keeps every token
@@ -457,11 +458,17 @@ class _UncompressedForward:
         return _last_logits(out)
 
 
-def _prepares_its_own_steps(model) -> bool:
-    """Whether `model`'s class writes its own `prepare_inputs_for_generation` rather than
-    GenerationMixin's, which feeds a model without a cache the whole sequence."""
+def _fed_as_it_is(model) -> bool:
+    """Whether HF's generate feeds `model`, an HF model whose forward takes no cache, the sequence
+    as it is: GenerationMixin's `prepare_inputs_for_generation` does, and so does a model's own that
+    adds nothing (openai-gpt's); XLNet's appends a dummy token and masks it."""
     own = getattr(type(model), "prepare_inputs_for_generation", None)
-    return own is not None and own is not GenerationMixin.prepare_inputs_for_generation
+    if own is None or own is GenerationMixin.prepare_inputs_for_generation:
+        return True
+    ids = torch.ones((1, 2), dtype=torch.long)  # any sequence shows whether it is changed
+    prepared = model.prepare_inputs_for_generation(ids, use_cache=False)
+    added = [name for name, value in prepared.items() if name not in ("input_ids", "use_cache") and value is not None]
+    return isinstance(prepared.get("input_ids"), torch.Tensor) and torch.equal(prepared["input_ids"], ids) and not added
 
 
 def _select(logits, do_sample, temperature, top_k, top_p, generator) -> torch.Tensor:

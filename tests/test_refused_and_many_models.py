@@ -117,6 +117,20 @@ def test_a_model_whose_generation_hf_prepares_its_own_way_and_that_takes_no_cach
             pytest.raises(ValueError, match="XLNetLMHeadModel's forward takes no cache.*use model.generate"):
         kvtopo.generate(model, ids, 4, config=kvtopo.Config.lossless(), eos_token_id=None)
 
+
+def test_a_model_whose_own_step_preparation_adds_nothing_is_recomputed_not_refused():
+    """openai-gpt also writes its own `prepare_inputs_for_generation`, which hands the sequence on
+    unchanged: HF's generate recomputes it as the fallback does, so it is not refused."""
+    import transformers
+
+    from kvtopo.generate import _fed_as_it_is
+
+    gpt = transformers.OpenAIGPTLMHeadModel(transformers.OpenAIGPTConfig(vocab_size=64, n_positions=32, n_embd=32,
+                                                                         n_layer=1, n_head=2))
+    xlnet = transformers.XLNetLMHeadModel(transformers.XLNetConfig(vocab_size=64, d_model=32, n_layer=1, n_head=2,
+                                                                   d_inner=64))
+    assert _fed_as_it_is(gpt) and not _fed_as_it_is(xlnet)
+
 class SharedAcrossAGraphBreak(nn.Module):
     """One attention module called twice per forward (weights shared, as in ALBERT) with a graph
     break between the calls: both graphs name the site alike."""
