@@ -34,7 +34,10 @@ class MlirLoweringError(RuntimeError):
 
 
 def _failed_ops(text: str) -> list[str]:
-    ops = re.findall(r"failed to legalize operation '([^']+)'", text)
+    # An op torch-mlir does not know is a generic `torch.operator` whose `name` says which it is.
+    unknown = re.findall(r'"torch\.operator"\([^)]*\)\s*<\{name = "([\w.]+)"', text)
+    ops = [op for op in re.findall(r"failed to legalize operation '([^']+)'", text)
+           if not (unknown and op == "torch.operator")] + unknown
     ops += re.findall(r"unsupported by backend contract: (?:module initializers|.*?)'([\w.]+)'", text)
     ops += re.findall(r"found an op that was marked as backend illegal.*?'([\w.]+)'", text, re.S)
     return sorted(set(ops))
