@@ -67,27 +67,34 @@ def synthetic_segments(
     return DecodeSegments(ex, rec, mid)
 
 
-def unprojected_mid(randn, kv_heads: int, dk: int, dv: int, page_rows: tuple[int, ...], bits: int):
+def unprojected_mid(randn, kv_heads: int, dk: int, dv: int, page_rows: tuple[int, ...], bits: int,
+                    value_stats_per_row: bool = True):
     """(MidCodes, pages): an unprojected Mid as ``runtime.codecs.MidSegment`` stores it, keys
-    [n, Hkv, dk] quantized per channel per page, values [n, Hkv, dv] per token and head, and
-    the per-page (keys, values) Quantized they were read from."""
+    [n, Hkv, dk] quantized per channel per page, values [n, Hkv, dv] per token and head (or, with
+    ``value_stats_per_row=False``, per channel per page as the keys, values drawn about an offset
+    of their own), and the per-page (keys, values) Quantized they were read from."""
     pages = []
     for n in page_rows:
         if n:
             keys = 2 * randn(n, kv_heads, dk) + randn(1, kv_heads, dk)
-            pages.append((quantize(keys, bits, reduce_dim=0), quantize(randn(n, kv_heads, dv), bits, reduce_dim=-1)))
+            if value_stats_per_row:
+                values = quantize(randn(n, kv_heads, dv), bits, reduce_dim=-1)
+            else:
+                values = quantize(randn(n, kv_heads, dv) + 3 * randn(1, kv_heads, dv), bits, reduce_dim=0)
+            pages.append((quantize(keys, bits, reduce_dim=0), values))
     counts = torch.tensor([n for n in page_rows if n])
     stat = torch.repeat_interleave(torch.arange(counts.numel()), counts).to(torch.int32)
     n = int(counts.sum())
     cat = lambda tensors, width: torch.cat(tensors).float().reshape(-1, width)  # noqa: E731
     ks, kr = rank_columns((dk,) * kv_heads)
     vs, vr = rank_columns((dv,) * kv_heads)
+    value_stat_width = kv_heads if value_stats_per_row else kv_heads * dv
     mid = MidCodes(
         torch.cat([k.codes for k, _ in pages]).reshape(n, -1), cat([k.scale for k, _ in pages], kv_heads * dk),
         cat([k.offset for k, _ in pages], kv_heads * dk), bits, ks, kr, None, None,
-        torch.cat([v.codes for _, v in pages]).reshape(n, -1), cat([v.scale for _, v in pages], kv_heads),
-        cat([v.offset for _, v in pages], kv_heads), bits, vs, vr, None, None, stat,
-        projected=False, value_stats_per_row=True)
+        torch.cat([v.codes for _, v in pages]).reshape(n, -1), cat([v.scale for _, v in pages], value_stat_width),
+        cat([v.offset for _, v in pages], value_stat_width), bits, vs, vr, None, None, stat,
+        projected=False, value_stats_per_row=value_stats_per_row)
     return mid, pages
 
 

@@ -40,16 +40,22 @@ def _sequence(seed: int, tokens: int) -> DecodeSegments:
     return dataclasses.replace(stored, exact_pages=PagedExact(pool_k, pool_v, slots, tokens))
 
 
+def _arguments(segs) -> BatchArguments:
+    """The batch's arguments with every row set from `segs`, flattened for the kernel."""
+    args = BatchArguments(len(segs), HEADS, GROUP, D, D, SCALE, None)
+    for b, s in enumerate(segs):
+        assert args.set_row(b, s)
+    args.flatten()
+    return args
+
+
 def _rel(a, b) -> float:
     return ((a.double() - b).norm() / b.norm()).item()
 
 
 def test_a_token_handed_over_for_one_step_is_not_attended_in_the_next():
     segs = [_sequence(1, 10), _sequence(2, 7)]
-    args = BatchArguments(len(segs), HEADS, GROUP, D, D, SCALE, None)
-    for b, s in enumerate(segs):
-        assert args.set_row(b, s)
-    args.flatten()
+    args = _arguments(segs)
     g = torch.Generator().manual_seed(3)
     key, value = 4 * torch.randn(HEADS, 1, D, generator=g), 4 * torch.randn(HEADS, 1, D, generator=g)
 
@@ -71,10 +77,7 @@ def test_a_segment_kind_a_sequence_no_longer_holds_reads_as_empty():
     keep attending the old partial of that kind: the batch's other rows and its own exact pages
     stay as they were, the Recent part is dropped."""
     segs = [_sequence(4, 9), _sequence(5, 6)]
-    args = BatchArguments(len(segs), HEADS, GROUP, D, D, SCALE, None)
-    for b, s in enumerate(segs):
-        assert args.set_row(b, s)
-    args.flatten()
+    args = _arguments(segs)
     g = torch.Generator().manual_seed(6)
     q = torch.randn(len(segs), HEADS * GROUP, D, generator=g)
     args.attend(q)  # every kind's partial written once

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from kvtopo.kernels.cpu_decode import c_kernel_available, cpu_decode_attention
-from kvtopo.kernels.decode_inputs import DecodeSegments, MidCodes, rank_columns
-from kvtopo.kernels.quant import dequantize, quantize
+from kvtopo.kernels.decode_inputs import DecodeSegments
+from kvtopo.kernels.quant import dequantize
 
 from decode_bound import error_bound
+from segments import unprojected_mid
 
 HEADS, GROUP, DK, DV, SCALE = 2, 3, 16, 24, 0.3
 
@@ -27,22 +28,8 @@ def _mid(page_rows, bits: int, seed: int):
     """(MidCodes with per-page value statistics, keys [Hkv, N, dk], values [Hkv, N, dv]) where the
     keys/values are each page dequantized on its own (what the codes stand for)."""
     g = torch.Generator().manual_seed(seed)
-    pages = []
-    for n in page_rows:
-        keys = 2 * torch.randn(n, HEADS, DK, generator=g) + torch.randn(1, HEADS, DK, generator=g)
-        values = torch.randn(n, HEADS, DV, generator=g) + 3 * torch.randn(1, HEADS, DV, generator=g)
-        pages.append((quantize(keys, bits, reduce_dim=0), quantize(values, bits, reduce_dim=0)))
-    n = sum(page_rows)
-    stat = torch.repeat_interleave(torch.arange(len(page_rows)), torch.tensor(page_rows)).to(torch.int32)
-    flat = lambda tensors, width: torch.cat(tensors).float().reshape(-1, width)  # noqa: E731
-    ks, kr = rank_columns((DK,) * HEADS)
-    vs, vr = rank_columns((DV,) * HEADS)
-    mid = MidCodes(
-        torch.cat([k.codes for k, _ in pages]).reshape(n, -1), flat([k.scale for k, _ in pages], HEADS * DK),
-        flat([k.offset for k, _ in pages], HEADS * DK), bits, ks, kr, None, None,
-        torch.cat([v.codes for _, v in pages]).reshape(n, -1), flat([v.scale for _, v in pages], HEADS * DV),
-        flat([v.offset for _, v in pages], HEADS * DV), bits, vs, vr, None, None, stat,
-        projected=False, value_stats_per_row=False)
+    mid, pages = unprojected_mid(lambda *shape: torch.randn(*shape, generator=g), HEADS, DK, DV, page_rows, bits,
+                                 value_stats_per_row=False)
     keys = torch.cat([dequantize(k) for k, _ in pages]).transpose(0, 1)
     values = torch.cat([dequantize(v) for _, v in pages]).transpose(0, 1)
     return mid, keys, values
