@@ -1,0 +1,53 @@
+"""A `kvtopo.compile`d model whose forward, called directly inside a session, runs no kvtopo
+attention raises instead of returning an output computed without the session's history.
+
+Here the model has no attention the passes rewrite (a plain MLP over token embeddings): outside a
+session it must still equal the uncompiled model, inside one the forward must raise and name the
+model, since its tokens would only have seen themselves. (`kvtopo.generate` checks this too; a
+user calling the model by hand inside `kvtopo.session` relies on this check alone.)
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import kvtopo
+
+
+class NoAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_a_direct_forward_without_kvtopo_attention_raises_inside_a_session():
+    torch._dynamo.reset()
+    reference = NoAttention().eval()
+    model = kvtopo.compile(NoAttention().eval(), inductor=False)
+    x = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))  # outside a session: the model as it was
+        with kvtopo.session(kvtopo.Config.lossless()):
+            with pytest.raises(RuntimeError, match="forward of NoAttention inside a session ran no kvtopo attention"):
+                model(x)
+    torch._dynamo.reset()
+
+
+def test_the_same_check_holds_for_a_module_compiled_in_place_with_the_backend():
+    """`Module.compile(backend="kvtopo")` never goes through `kvtopo.compile`; the backend puts the
+    same check on the module's compiled call from its first forward on."""
+    torch._dynamo.reset()
+    reference = NoAttention().eval()
+    model = NoAttention().eval()
+    model.compile(backend="kvtopo", options={"inductor": False})
+    x = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))  # outside a session: the model as it was
+        with kvtopo.session(kvtopo.Config.lossless()):
+            with pytest.raises(RuntimeError, match="forward of NoAttention inside a session ran no kvtopo attention"):
+                model(x)
+    torch._dynamo.reset()
