@@ -24,26 +24,20 @@ class NoAttention(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-def test_a_direct_forward_without_kvtopo_attention_raises_inside_a_session():
-    torch._dynamo.reset()
-    reference = NoAttention().eval()
-    model = kvtopo.compile(NoAttention().eval(), inductor=False)
-    x = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), reference(x))  # outside a session: the model as it was
-        with kvtopo.session(kvtopo.Config.lossless()):
-            with pytest.raises(RuntimeError, match="forward of NoAttention inside a session ran no kvtopo attention"):
-                model(x)
-    torch._dynamo.reset()
+def _compiled(how: str) -> nn.Module:
+    model = NoAttention().eval()
+    if how == "kvtopo.compile":
+        return kvtopo.compile(model, inductor=False)
+    model.compile(backend="kvtopo", options={"inductor": False})
+    return model
 
 
-def test_the_same_check_holds_for_a_module_compiled_in_place_with_the_backend():
+@pytest.mark.parametrize("how", ["kvtopo.compile", "Module.compile"])
+def test_a_direct_forward_without_kvtopo_attention_raises_inside_a_session(how):
     """`Module.compile(backend="kvtopo")` never goes through `kvtopo.compile`; the backend puts the
     same check on the module's compiled call from its first forward on."""
     torch._dynamo.reset()
-    reference = NoAttention().eval()
-    model = NoAttention().eval()
-    model.compile(backend="kvtopo", options={"inductor": False})
+    reference, model = NoAttention().eval(), _compiled(how)
     x = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x))  # outside a session: the model as it was
