@@ -184,8 +184,8 @@ def test_kvtopo_serve_stops_on_ctrl_c_after_serving(checkpoint):
         assert answer
         proc.send_signal(signal.SIGINT)
         # A hang, not a time, is what this catches: stopping joins the engine's worker, which on a
-        # loaded machine may be in the middle of a step (about 2 s on an idle one; over 60 s once,
-        # under a suite and other work sharing the 2 cores).
+        # loaded machine may be in the middle of a step (over 60 s once, in a suite run sharing the
+        # 2 cores with other work).
         stderr = proc.communicate(timeout=240)[1]
     finally:
         if proc.poll() is None:
