@@ -14,7 +14,9 @@ model that cannot be fetched or verified (`pretrained.FetchError`) exits with st
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
 from collections.abc import Sequence
 
 from kvtopo.export_cli import add_export
@@ -120,10 +122,18 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ServerStartError as err:
         print(f"kvtopo serve: error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # the server and its engine are stopped
+    except KeyboardInterrupt:  # the server and its engine are stopped, or given up on (KvtopoServer.stop)
         print("kvtopo serve: stopped", file=sys.stderr)
+        if _threads_left():  # an engine thread that did not stop would keep the process from exiting
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
         return 130
     return 0
+
+
+def _threads_left() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
 
 
 def _port(text: str) -> int:

@@ -80,6 +80,9 @@ def _server_loads_models_with(session: Session):
             model_manager.ModelManager = original
 
 
+STOP_TIMEOUT_S = 30.0  # how long `KvtopoServer.stop` waits for transformers' server and engine to stop
+
+
 @dataclass
 class KvtopoServer:
     """A running server: its URL, the model id requests name (what transformers' server loaded:
@@ -92,12 +95,19 @@ class KvtopoServer:
     _serve: object
     _context: contextvars.Context  # where the session is active: the caller's own context is left alone
 
-    def stop(self) -> None:
-        """Stop serving and close the session (from any thread)."""
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop serving and close the session (from any thread). transformers' `kill_server`
+        joins the engine's worker with no time limit; it gets `timeout` seconds, then it is left
+        (a warning says so) and the session is closed anyway."""
         # Told directly: kill_server skips it when the thread looks stopped, as it does on Python
         # 3.11 after a join() interrupted by Ctrl-C (the interrupted wait marks it stopped).
         self._serve.server.should_exit = True
-        self._serve.kill_server()
+        stopping = threading.Thread(target=self._serve.kill_server, name="kvtopo-serve-stop", daemon=True)
+        stopping.start()
+        stopping.join(timeout)
+        if stopping.is_alive():
+            print(f"kvtopo serve: the engine did not stop within {timeout:g} s; closing the session anyway",
+                  file=sys.stderr)
         if self.session.active:
             self._context.run(self.session.__exit__, None, None, None)
 

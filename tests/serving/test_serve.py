@@ -168,7 +168,7 @@ def test_kvtopo_serve_stops_on_ctrl_c_after_serving(checkpoint):
 
     path, _, _ = checkpoint
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvtopo", "serve", str(path), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "kvtopo", "serve", str(path), "--port", str(port),
                              "--config", '{"page_size": 16}', "--dtype", "float32"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -186,10 +186,35 @@ def test_kvtopo_serve_stops_on_ctrl_c_after_serving(checkpoint):
         # A hang, not a time, is what this catches: stopping joins the engine's worker, which on a
         # loaded machine may be in the middle of a step (over 60 s once, in a suite run sharing the
         # 2 cores with other work).
-        stderr = proc.communicate(timeout=240)[1]
+        try:
+            stderr = proc.communicate(timeout=240)[1]
+        except subprocess.TimeoutExpired:  # where it hangs: faulthandler prints every thread's stack on SIGABRT
+            proc.send_signal(signal.SIGABRT)
+            pytest.fail(f"kvtopo serve did not exit after Ctrl-C; its threads:\n{proc.communicate(timeout=60)[1][-8000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, stderr[-2000:]
     assert "kvtopo serve: stopped" in stderr
+
+
+def test_stop_gives_up_on_an_engine_that_does_not_stop_and_closes_the_session(capsys):
+    """transformers' `kill_server` joins the engine's worker with no time limit: a worker that never
+    stops held `kvtopo serve` after Ctrl-C. `stop` waits its timeout, says so and closes the session."""
+    import contextvars
+
+    from kvtopo.runtime.session import Session
+    from kvtopo.serving.serve import KvtopoServer
+
+    never = threading.Event()
+    serve = type("Serve", (), {"server": type("Uvicorn", (), {"should_exit": False})(),
+                               "kill_server": lambda self: never.wait()})()
+    context = contextvars.copy_context()
+    session = Session(Config.lossless())
+    context.run(session.__enter__)
+    server = KvtopoServer("http://127.0.0.1:1", "m", session, serve, context)
+    server.stop(timeout=0.2)
+    never.set()
+    assert serve.server.should_exit and not session.active
+    assert "the engine did not stop within 0.2 s; closing the session anyway" in capsys.readouterr().err
