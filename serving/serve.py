@@ -187,8 +187,8 @@ def start_server(model: str, config: Config | None = None, *, host: str = "127.0
 
 @contextmanager
 def _sigterm_interrupts():
-    """SIGTERM stops a blocking server as Ctrl-C does (uvicorn, off the main thread, no longer
-    handles signals itself)."""
+    """SIGTERM and SIGINT stop a blocking server as Ctrl-C does (uvicorn, off the main thread, no
+    longer handles signals itself)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -196,11 +196,14 @@ def _sigterm_interrupts():
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    # SIGINT too: a process started with it ignored (a background job of a shell script, some
+    # test runners' workers) inherits SIG_IGN, and Python then raises no KeyboardInterrupt for it.
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _wait_until_up(server: KvtopoServer, timeout: float | None) -> None:

@@ -160,7 +160,8 @@ def test_start_server_names_a_config_of_the_wrong_type(checkpoint):
 
 def test_kvtopo_serve_stops_on_ctrl_c_after_serving(checkpoint):
     """After a request, Ctrl-C stopped uvicorn but not the engine's worker thread: the process
-    never exited. Now it stops both and exits 130."""
+    never exited; and a process started with SIGINT ignored never saw it. Now it stops both and
+    exits 130."""
     import signal
     import subprocess
     import sys
@@ -170,7 +171,10 @@ def test_kvtopo_serve_stops_on_ctrl_c_after_serving(checkpoint):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "kvtopo", "serve", str(path), "--port", str(port),
                              "--config", '{"page_size": 16}', "--dtype", "float32"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            # started with SIGINT ignored, as a shell's background job (or a test
+                            # runner's worker) starts it: Python then raises no KeyboardInterrupt itself
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         server = type("Url", (), {"url": f"http://127.0.0.1:{port}"})
         deadline = time.monotonic() + 240
