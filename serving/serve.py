@@ -29,7 +29,7 @@ import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,33 +156,34 @@ def start_server(model: str, config: Config | None = None, *, host: str = "127.0
     spec, url = _model_spec(model), f"http://{host}:{port}"
     if block:
         print(f"kvtopo serve: {url}/v1/chat/completions; requests name the model {spec!r}", file=sys.stderr)
-    # The session is active in a context of its own (the engine's worker checks it is open): entered
-    # in the caller's, it stayed the caller's active session, and the caller's next kvtopo.generate
-    # cleared every request the server held.
-    context = contextvars.copy_context()
-    context.run(session.__enter__)
-    try:
-        with _server_loads_models_with(session):
-            # Always in uvicorn's own thread: run in this one (transformers' blocking mode), an
-            # interrupt stopped uvicorn but not the engine's worker thread, and the process hung.
-            serve = Serve(force_model=spec, continuous_batching=True, device="cpu", host=host,
-                          port=port, non_blocking=True, **serve_options)
-    except BaseException:
-        context.run(session.__exit__, None, None, None)
-        raise
-    server = KvtopoServer(url, spec, session, serve, context)
-    try:
-        _wait_until_up(server, None if block else timeout)
-        if block:
-            with _sigterm_interrupts():
+    # From the start: a signal before the server is up stops it too (the session is closed)
+    with _sigterm_interrupts() if block else nullcontext():
+        # The session is active in a context of its own (the engine's worker checks it is open): entered
+        # in the caller's, it stayed the caller's active session, and the caller's next kvtopo.generate
+        # cleared every request the server held.
+        context = contextvars.copy_context()
+        context.run(session.__enter__)
+        try:
+            with _server_loads_models_with(session):
+                # Always in uvicorn's own thread: run in this one (transformers' blocking mode), an
+                # interrupt stopped uvicorn but not the engine's worker thread, and the process hung.
+                serve = Serve(force_model=spec, continuous_batching=True, device="cpu", host=host,
+                              port=port, non_blocking=True, **serve_options)
+        except BaseException:
+            context.run(session.__exit__, None, None, None)
+            raise
+        server = KvtopoServer(url, spec, session, serve, context)
+        try:
+            _wait_until_up(server, None if block else timeout)
+            if block:
                 while serve._thread.is_alive():  # until Ctrl-C (KeyboardInterrupt here) or the server exits
                     time.sleep(0.2)  # not join(): see stop()
-    except BaseException:
-        server.stop()
-        raise
-    if block:
-        server.stop()
-    return server
+        except BaseException:
+            server.stop()
+            raise
+        if block:
+            server.stop()
+        return server
 
 
 @contextmanager
