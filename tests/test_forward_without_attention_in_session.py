@@ -45,3 +45,31 @@ def test_a_direct_forward_without_kvtopo_attention_raises_inside_a_session(how):
             with pytest.raises(RuntimeError, match="forward of NoAttention inside a session ran no kvtopo attention"):
                 model(x)
     torch._dynamo.reset()
+
+
+
+class Wrapper(nn.Module):
+    """All its parameters sit in one child, which its forward is also handed as an argument (as a
+    decorator's wrapper is handed modules): the two hold the same parameters, and the backend must
+    still take the wrapper, the module compiled in place and the first of its frame's locals."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = NoAttention()
+
+    def forward(self, x, layer):
+        return layer(x)
+
+
+def test_the_check_lands_on_the_compiled_wrapper_when_an_argument_holds_every_parameter():
+    torch._dynamo.reset()
+    reference, model = Wrapper().eval(), Wrapper().eval()
+    reference.load_state_dict(model.state_dict())
+    model.compile(backend="kvtopo", options={"inductor": False})
+    x = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, model.inner), reference(x, reference.inner))
+        with kvtopo.session(kvtopo.Config.lossless()):
+            with pytest.raises(RuntimeError, match="forward of Wrapper inside a session ran no kvtopo attention"):
+                model(x, model.inner)
+    torch._dynamo.reset()
