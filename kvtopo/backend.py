@@ -112,6 +112,19 @@ def _compiled_module(example_inputs) -> torch.nn.Module | None:
     return best
 
 
+def _check_inference(report, example_inputs) -> None:
+    """Inductor builds a backward for a graph called with autograd on and inputs that require grad
+    (a model's parameters outside `torch.no_grad`), and kvtopo's attention ops have none: say so
+    and what to do, rather than AOTAutograd's "no autograd formula" from inside Inductor."""
+    if report.sites and torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs):
+        raise RuntimeError(
+            f"kvtopo rewrote {len(report.sites)} attention site(s) for inference, and this call runs with autograd "
+            "on over parameters or inputs that require grad: kvtopo's attention has no backward. Call the model "
+            "under torch.no_grad() or torch.inference_mode() (kvtopo.generate and HF generate do), or compile "
+            "with inductor=False to run the forward with autograd on (a backward through its attention raises)")
+
+
 def _check_forwards_attend(module: torch.nn.Module) -> None:
     """A module compiled in place (`Module.compile(backend="kvtopo")`) gets the check
     `kvtopo.compile` puts on its call, from its next forward on: one that runs no kvtopo attention
@@ -132,6 +145,7 @@ def kvtopo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     for refusal in report.refusals:
         log.warning("kvtopo left attention unchanged: %s", refusal.describe())
     if opts.inductor:
+        _check_inference(report, example_inputs)
         from torch._inductor.compile_fx import compile_fx
 
         compiled = compile_fx(gm, example_inputs)
