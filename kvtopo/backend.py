@@ -112,16 +112,21 @@ def _compiled_module(example_inputs) -> torch.nn.Module | None:
     return best
 
 
-def _check_inference(report, example_inputs) -> None:
-    """Inductor builds a backward for a graph called with autograd on and inputs that require grad
-    (a model's parameters outside `torch.no_grad`), and kvtopo's attention ops have none: say so
-    and what to do, rather than AOTAutograd's "no autograd formula" from inside Inductor."""
-    if report.sites and torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs):
+def _check_inference(gm: torch.fx.GraphModule) -> None:
+    """Inductor builds a backward for a graph whose outputs need one (autograd on, the model's
+    parameters requiring grad: a call outside `torch.no_grad`), and kvtopo's ops have none: say
+    so and what to do, rather than AOTAutograd's "no autograd formula" from inside Inductor. Only
+    a kvtopo op fed a tensor that requires grad counts (a model fine-tuning a head behind frozen
+    attention still compiles)."""
+    if not torch.is_grad_enabled():
+        return
+    ops = [n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) == "kvtopo"
+           and any(getattr(a.meta.get("example_value"), "requires_grad", False) for a in n.all_input_nodes)]
+    if ops:
         raise RuntimeError(
-            f"kvtopo rewrote {len(report.sites)} attention site(s) for inference, and this call runs with autograd "
-            "on over parameters or inputs that require grad: kvtopo's attention has no backward. Call the model "
-            "under torch.no_grad() or torch.inference_mode() (kvtopo.generate and HF generate do), or compile "
+            f"kvtopo rewrote attention for inference, and this call runs with autograd on over tensors that require "
+            f"grad ({len(ops)} kvtopo op(s) fed them, e.g. {ops[0].name}): kvtopo's ops have no backward. Call the "
+            "model under torch.no_grad() or torch.inference_mode() (kvtopo.generate and HF generate do), or compile "
             "with inductor=False to run the forward with autograd on (a backward through its attention raises)")
 
 
@@ -145,7 +150,7 @@ def kvtopo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     for refusal in report.refusals:
         log.warning("kvtopo left attention unchanged: %s", refusal.describe())
     if opts.inductor:
-        _check_inference(report, example_inputs)
+        _check_inference(gm)
         from torch._inductor.compile_fx import compile_fx
 
         compiled = compile_fx(gm, example_inputs)

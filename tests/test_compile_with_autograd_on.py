@@ -1,6 +1,7 @@
 """A model compiled with kvtopo and called with autograd on (outside `torch.no_grad`, parameters
 requiring grad) gets an error that says why and what to do, not AOTAutograd's failure from inside
-Inductor; the same model then runs under `torch.no_grad()` and `torch.inference_mode()`.
+Inductor; the same model then runs under `torch.no_grad()` and `torch.inference_mode()`. A model
+whose attention is frozen (only a layer after it trains) compiles and trains as it did.
 With `inductor=False` the forward runs with autograd on, and a backward through the attention
 raises rather than returning gradients of something else."""
 
@@ -53,4 +54,19 @@ def test_without_inductor_the_forward_runs_with_autograd_on_and_a_backward_raise
     torch.testing.assert_close(out, reference(x))
     with pytest.raises(RuntimeError, match="kvtopo.attention"):
         out.sum().backward()
+    torch._dynamo.reset()
+
+
+def test_frozen_attention_under_a_trained_layer_compiles_and_gives_its_gradients():
+    torch._dynamo.reset()
+    reference, model = Attention().eval(), Attention().eval()
+    for m in (reference, model):
+        m.qkv.requires_grad_(False)
+    kvtopo.compile(model)
+    x = _inputs()
+    out, expected = model(x), reference(x)
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(model.out.weight.grad, reference.out.weight.grad)
     torch._dynamo.reset()
