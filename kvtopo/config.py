@@ -199,6 +199,6 @@ class Config:
         return cls(**{"policy": "full", "target_ratio": None, **overrides})
 
     def replace(self, **changes) -> "Config":
-        if getattr(self, "_implied_energies", False) and not {"key_energy", "value_energy"} & changes.keys():
-            changes = {"key_energy": None, "value_energy": None, **changes}  # palu sets them again itself
+        if getattr(self, "_implied_energies", False):  # as if built anew: palu sets them again itself
+            changes = {"key_energy": None, "value_energy": None, **changes}
         return dataclasses.replace(self, **changes)

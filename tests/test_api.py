@@ -146,6 +146,9 @@ def test_replace_drops_the_energies_palu_implied():
     chosen = kvtopo.Config(policy="palu", key_energy=0.9, value_energy=0.9)
     assert chosen.replace(policy="topo").key_energy == 0.9  # the caller's own energies stay
     assert palu == chosen
+    # One energy named: the other implied one goes too, as in a config built with the same fields.
+    assert palu.replace(policy="topo", key_energy=0.8) == kvtopo.Config(policy="topo", key_energy=0.8)
+    assert palu.replace(policy="snapkv", value_energy=None) == kvtopo.Config(policy="snapkv")
 
 
 @pytest.mark.parametrize("args,kwargs,message", [
