@@ -74,10 +74,20 @@ def load_tensor_parallel(path, *, tp_size: int | None = None, inductor: bool = T
     return model
 
 
+_ATTENTION_MODULES = {"self_attn", "attn", "attention", "self_attention"}
+_ATTENTION_PROJECTIONS = {"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn"}
+
+
 def shards_attention(config) -> bool:
-    """Whether the model's tensor-parallel plan splits attention by heads. DeepSeek-V3's (MLA)
-    shards only its MLP and experts: every rank runs all heads and stores the whole latent."""
-    return any(".self_attn." in module for module in (getattr(config, "base_model_tp_plan", None) or {}))
+    """Whether the model's tensor-parallel plan splits attention by heads: an entry under an
+    attention module (Llama's `self_attn`, GPT-J's and CodeGen's `attn`, GPT-NeoX's `attention`)
+    or a query/key/value projection. DeepSeek-V3's (MLA) shards only its MLP and experts: every
+    rank runs all heads and stores the whole latent."""
+    for entry in getattr(config, "base_model_tp_plan", None) or {}:
+        *modules, name = entry.split(".")
+        if _ATTENTION_MODULES & set(modules) or name in _ATTENTION_PROJECTIONS:
+            return True
+    return False
 
 
 def stored_kv_heads(session) -> dict[str, int]:

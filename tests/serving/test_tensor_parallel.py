@@ -144,6 +144,22 @@ def test_heads_must_divide_only_where_the_plan_shards_attention(tmp_path, monkey
         load_tensor_parallel(tmp_path / "llama", tp_size=3)
 
 
+@pytest.mark.parametrize("config_class", ["GPTNeoXConfig", "GPTJConfig", "CodeGenConfig"])
+def test_plans_sharding_attention_under_other_module_names_need_the_heads_to_divide(tmp_path, config_class):
+    """GPT-NeoX (`attention.query_key_value`), GPT-J and CodeGen (`attn.*`) split attention by
+    heads under other names than `self_attn`: 4 heads over 3 ranks is refused before loading."""
+    import transformers
+
+    from kvtopo.serving.tensor_parallel import load_tensor_parallel, shards_attention
+
+    config = getattr(transformers, config_class)(hidden_size=32, num_attention_heads=4, n_embd=32, n_head=4,
+                                                 rotary_dim=4, num_hidden_layers=1, n_layer=1, vocab_size=64)
+    assert shards_attention(config)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="needs the heads to divide"):
+        load_tensor_parallel(tmp_path, tp_size=3)
+
+
 def test_lossless_tokens_equal_the_single_process_model(ranks, single_process):
     reference, _ = single_process
     assert [r["lossless"]["tokens"] for r in ranks] == [reference] * WORLD
