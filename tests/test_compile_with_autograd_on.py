@@ -70,3 +70,24 @@ def test_frozen_attention_under_a_trained_layer_compiles_and_gives_its_gradients
     expected.square().sum().backward()
     torch.testing.assert_close(model.out.weight.grad, reference.out.weight.grad)
     torch._dynamo.reset()
+
+
+def test_without_inductor_a_session_under_autograd_stores_no_graph_and_computes_what_no_grad_does():
+    """The store copies each chunk's keys and values into its pool: with autograd on it keeps no
+    autograd graph alive (no memory held for a backward that cannot run), and every chunk's
+    output is bit for bit the one under `torch.no_grad()`."""
+    torch._dynamo.reset()
+    model = kvtopo.compile(Attention().eval(), inductor=False)
+    x = torch.randn(1, 40, 32, generator=torch.Generator().manual_seed(1))
+    config = kvtopo.Config(page_size=8, prefill_chunk_size=16)
+    chunks = [x[:, :16], x[:, 16:32], x[:, 32:33], x[:, 33:34]]
+    with kvtopo.session(config) as session:
+        outs = [model(chunk) for chunk in chunks]
+        pools = [layer.pool for layer in session.layers.values() if layer.pool is not None]
+        assert pools and not any(p.keys.requires_grad or p.values.requires_grad for p in pools)
+    with torch.no_grad(), kvtopo.session(config):
+        expected = [model(chunk) for chunk in chunks]
+    assert outs[-1].requires_grad
+    for got, want in zip(outs, expected, strict=True):
+        assert torch.equal(got.detach(), want)
+    torch._dynamo.reset()
