@@ -1,13 +1,15 @@
 """`kvtopo inspect --tokens N` traces the model on an N-token prompt of ids inside the model's
-vocabulary, and the printed count is that of the prompt traced."""
+vocabulary (8 by default), and the printed count is that of the prompt traced."""
 
+import pytest
 import torch
 
 import kvtopo
 from kvtopo import cli
 
 
-def test_inspect_traces_the_requested_number_of_tokens(monkeypatch, capsys):
+@pytest.mark.parametrize("args,tokens", [(["--tokens", "5"], 5), ([], 8)])
+def test_inspect_traces_the_requested_number_of_tokens(args, tokens, monkeypatch, capsys):
     traced = []
     real = kvtopo.inspect
 
@@ -16,22 +18,8 @@ def test_inspect_traces_the_requested_number_of_tokens(monkeypatch, capsys):
         return real(model, ids, **kwargs)
 
     monkeypatch.setattr(kvtopo, "inspect", record)
-    assert cli.main(["inspect", "llama", "--tokens", "5"]) == 0
+    assert cli.main(["inspect", "llama", *args]) == 0
     (ids, vocab), = traced
-    assert ids.shape == (1, 5) and ids.dtype == torch.long
+    assert ids.shape == (1, tokens) and ids.dtype == torch.long
     assert 0 <= int(ids.min()) and int(ids.max()) < vocab
-    assert "traced on 5 token(s)" in capsys.readouterr().out
-
-
-def test_inspect_traces_eight_tokens_by_default(monkeypatch, capsys):
-    traced = []
-    real = kvtopo.inspect
-
-    def record(model, ids, **kwargs):
-        traced.append(tuple(ids.shape))
-        return real(model, ids, **kwargs)
-
-    monkeypatch.setattr(kvtopo, "inspect", record)
-    assert cli.main(["inspect", "llama"]) == 0
-    assert traced == [(1, 8)]
-    assert "traced on 8 token(s)" in capsys.readouterr().out
+    assert f"traced on {tokens} token(s)" in capsys.readouterr().out
